@@ -1,0 +1,286 @@
+"""Typed run configuration: model family + dimensions, parallel layout, device, dtype.
+
+Configs are keyword-only dataclasses loaded from YAML (`configs/*.yaml`) and overridden with
+`key=value` strings (`parallel.tp=2`, `model.dtype=float64`). Every field is validated where it is
+declared; errors name the offending value and what would be valid. Nothing here imports Megatron,
+so a bad config fails in milliseconds, before any process group, allocation or write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, get_args, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names it and what would be valid."""
+
+
+DTYPES = ("float32", "float64", "bfloat16")
+DEVICES = ("cpu", "cuda", "auto")
+FAMILIES = ("qwen3_5",)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Dimensions of a Qwen3.6-family hybrid decoder (Gated DeltaNet + gated attention)."""
+
+    family: Literal["qwen3_5"] = "qwen3_5"
+    """Model family; `qwen3_5` is the text decoder of Qwen3.5 / Qwen3.6 (`Qwen3_5ForCausalLM`)."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    """SwiGLU inner size."""
+    num_layers: int
+    full_attention_interval: int = 4
+    """Every `interval`-th layer (1-based) is gated full attention, the others Gated DeltaNet."""
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    partial_rotary_factor: float = 0.25
+    """Fraction of `head_dim` that RoPE rotates."""
+    rope_theta: float = 10_000_000.0
+    linear_num_key_heads: int
+    """Gated DeltaNet q/k heads."""
+    linear_num_value_heads: int
+    """Gated DeltaNet value heads; a multiple of `linear_num_key_heads`."""
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    gdn_chunk_size: int = 64
+    """Chunk length of the chunked gated delta rule."""
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    """Parameter and activation dtype."""
+
+    def __post_init__(self) -> None:
+        _check_choice("model.family", self.family, FAMILIES)
+        _check_choice("model.dtype", self.dtype, DTYPES)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "full_attention_interval",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
+                     "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_conv_kernel_dim", "gdn_chunk_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"model.{name}={v!r}: must be a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"model.num_attention_heads={self.num_attention_heads} is not a multiple of "
+                              f"model.num_key_value_heads={self.num_key_value_heads}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(f"model.linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                              f"model.linear_num_key_heads={self.linear_num_key_heads}")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ConfigError(f"model.partial_rotary_factor={self.partial_rotary_factor}: must be in (0, 1]")
+        rot = self.rotary_dim
+        if rot % 2 or rot != self.head_dim * self.partial_rotary_factor:
+            raise ConfigError(f"model.head_dim={self.head_dim} * partial_rotary_factor={self.partial_rotary_factor}"
+                              f" = {self.head_dim * self.partial_rotary_factor}: must be an even integer")
+        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+            raise ConfigError(f"model.rope_theta={self.rope_theta}, model.rms_norm_eps={self.rms_norm_eps}: "
+                              "both must be positive")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def layer_types(self) -> list[str]:
+        """Per layer (0-based): `linear_attention` (GDN) or `full_attention`, as Hugging Face names them."""
+        return ["full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
+                for i in range(self.num_layers)]
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[self.dtype]
+
+    @property
+    def state_dtype(self):
+        """dtype of the GDN decay and recurrent state: at least float32."""
+        import torch
+
+        return torch.float64 if self.dtype == "float64" else torch.float32
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Parallel layout. Data parallelism is whatever remains of the world size."""
+
+    tp: int = 1
+    """Tensor parallel size."""
+    pp: int = 1
+    """Pipeline parallel size."""
+    cp: int = 1
+    """Context parallel size (prompt sharded by sequence)."""
+    ep: int = 1
+    """Expert parallel size (MoE families only)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp", "ep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"parallel.{name}={v!r}: must be a positive integer")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def dp_for(self, world_size: int) -> int:
+        mp = self.model_parallel_size
+        if world_size % mp:
+            raise ConfigError(f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp}"
+                              f" = {mp}; launch a multiple of {mp} ranks or change parallel.*")
+        return world_size // mp
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything one `longstraw` invocation needs."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    """`cpu` (gloo), `cuda` (NCCL), or `auto`: cuda when available."""
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        _check_choice("device", self.device, DEVICES)
+        validate_layout(self.model, self.parallel)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:
+    """Check that the model splits over the layout; errors name both numbers."""
+    tp = p.tp
+    checks = [
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("model.num_key_value_heads", m.num_key_value_heads),
+        ("model.linear_num_key_heads", m.linear_num_key_heads),
+        ("model.linear_num_value_heads", m.linear_num_value_heads),
+        ("model.intermediate_size", m.intermediate_size),
+        ("model.vocab_size", m.vocab_size),
+    ]
+    for name, v in checks:
+        if v % tp:
+            valid = [d for d in range(1, v + 1) if v % d == 0 and d <= 64]
+            raise ConfigError(f"{name}={v} is not divisible by parallel.tp={tp}; tensor parallel sizes that divide "
+                              f"it: {valid}")
+    if m.num_layers < p.pp:
+        raise ConfigError(f"parallel.pp={p.pp} exceeds model.num_layers={m.num_layers}")
+    if p.ep != 1:
+        raise ConfigError(f"parallel.ep={p.ep}: the {m.family} family has no experts; use parallel.ep=1")
+    if p.cp != 1:
+        raise ConfigError(f"parallel.cp={p.cp}: context parallelism is not implemented yet; use parallel.cp=1")
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r}: must be one of {list(choices)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML + key=value overrides
+
+
+def _dataclass_from_dict(cls, data: dict, where: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(f"unknown config key(s) {[prefix + k for k in unknown]}; valid keys under "
+                          f"{where or 'the top level'}: {sorted(known)}")
+    kwargs = {}
+    for name, value in data.items():
+        typ = hints[name]
+        path = f"{where}.{name}" if where else name
+        if dataclasses.is_dataclass(typ):
+            kwargs[name] = _dataclass_from_dict(typ, value, path)
+        else:
+            kwargs[name] = _coerce(typ, value, path)
+    missing = [f.name for f in fields(cls) if f.name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(f"missing required config key(s): {[prefix + k for k in missing]}")
+    return cls(**kwargs)
+
+
+def _coerce(typ, value, path: str):
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if getattr(typ, "__origin__", None) is Literal:
+        if value not in get_args(typ):
+            raise ConfigError(f"{path}={value!r}: must be one of {list(get_args(typ))}")
+        return value
+    if typ in (int, float, str, bool) and not isinstance(value, typ):
+        raise ConfigError(f"{path}={value!r}: expected {typ.__name__}")
+    return value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=value` strings (value parsed as YAML) to a nested dict, copying it."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. parallel.tp=2")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {p} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None) -> RunConfig:
+    """Load `RunConfig` from a YAML file (or `base` dict), then apply `key=value` overrides."""
+    data: dict = {}
+    if base is not None:
+        data = base
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        data = _deep_merge(data, loaded)
+    data = apply_overrides(data, list(overrides))
+    return _dataclass_from_dict(RunConfig, data, "")
+
+
+def _deep_merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def config_to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def model_config_from_dict(d: dict) -> ModelConfig:
+    return _dataclass_from_dict(ModelConfig, d, "model")
+
+
+__all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "RunConfig", "load_config", "apply_overrides",
+           "validate_layout", "config_to_dict", "model_config_from_dict"]

@@ -1,0 +1,188 @@
+"""Make Megatron-Core 0.19 run on CPU with gloo.
+
+Megatron-Core assumes CUDA at a handful of call sites. `enable()` patches exactly those, once per
+process (idempotent), and only when the run is configured for `device == "cpu"`; on CUDA nothing
+here is touched. Each patch names the Megatron call site it serves and has a test in
+tests/unit/test_cpu_compat.py (single process) or tests/dist/ (multi-rank).
+
+The CPU conventions for `TransformerConfig` (fusions off, CPU initialisation, no p2p sync) live
+in `cpu_config_overrides()` so no other module has to know them.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_LOCK = threading.Lock()
+_ENABLED = False
+_MODE: "_CudaToCpuMode | None" = None
+
+
+def _is_cuda_device(dev) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    # Integer ordinals mean "CUDA device n" to torch's factory functions.
+    return isinstance(dev, int) and not isinstance(dev, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Redirect hard-coded CUDA placements to the CPU.
+
+    Serves ~25 call sites in Megatron-Core 0.19.2 that allocate with `device="cuda"` or
+    `torch.cuda.current_device()` (e.g. pipeline_parallel/schedules.py:749 `total_num_tokens`,
+    transformer/utils.py:39 causal mask, tensor_parallel/mappings.py:185 SP buffers,
+    models/common/embeddings/rope_utils.py:62 `.cuda(non_blocking=True)`), and drops
+    `pin_memory=True` (needs a CUDA driver). `Tensor.type()` reports `torch.cuda.*` for CPU float
+    tensors: optimizer/distrib_optimizer.py:401 and optimizer/clip_grads.py:174 assert it.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = torch.device("cpu")
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if name == "cuda":  # Tensor.cuda(...) -> stay on CPU
+            return args[0]
+        if name == "pin_memory":
+            return args[0]
+        if name == "to":
+            args = tuple(torch.device("cpu") if (i > 0 and _is_cuda_device(a) and not isinstance(a, int)) else a
+                         for i, a in enumerate(args))
+        if name == "type" and len(args) == 1 and not kwargs:
+            out = func(*args)
+            if isinstance(out, str) and out.startswith("torch.") and ".cuda." not in out:
+                return out.replace("torch.", "torch.cuda.", 1)
+            return out
+        return func(*args, **kwargs)
+
+
+class _NoOpStream:
+    """Stands in for torch.cuda.Stream/Event: moe/token_dispatcher.py:469 builds a Stream at
+    construction; dist_checkpointing and DDP record/wait events."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def record_event(self, *a, **k):
+        return _NoOpStream()
+
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+def _cpu_rng_tracker_patches() -> None:
+    """tensor_parallel/random.py:303: `CudaRNGStatesTracker.add` reads `torch.cuda.get_rng_state()`.
+    On CPU the model-parallel RNG states live on the CPU generator."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def _get_state(*a, **k):
+        return torch.get_rng_state()
+
+    def _set_state(new_state, *a, **k):
+        torch.set_rng_state(new_state)
+
+    mrandom._get_cuda_rng_state = _get_state
+    mrandom._set_cuda_rng_state = _set_state
+    torch.cuda.get_rng_state = _get_state
+    torch.cuda.set_rng_state = _set_state
+    torch.cuda.manual_seed = lambda seed: None
+    torch.cuda.manual_seed_all = lambda seed: None
+
+
+def _moe_split_sizes_patch() -> None:
+    """transformer/moe/moe_utils.py:1184 `maybe_move_tensor_to_cpu` converts all-to-all split sizes
+    to a list only `if tensor.is_cuda`; gloo's all_to_all_single needs lists."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if tensor is None:
+            return None
+        if isinstance(tensor, torch.Tensor):
+            return tensor.numpy() if as_numpy else tensor
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def enable(device: str) -> bool:
+    """Apply the CPU patches if `device == "cpu"`; return whether they are active.
+
+    Idempotent and thread-safe; call before building any Megatron module."""
+    global _ENABLED, _MODE
+    if device != "cpu":
+        return False
+    with _LOCK:
+        if _ENABLED:
+            return True
+        # torch.cuda.current_device(): models/common/embeddings/rotary_pos_embedding.py:160 moves
+        # inv_freq to it, megatron_fsdp.py:234 formats f"cuda:{n}" from it -> keep an int; the
+        # redirect mode maps int ordinals to CPU.
+        torch.cuda.current_device = lambda: 0
+        # pipeline_parallel/p2p_communication.py:419, dist_checkpointing/strategies/
+        # filesystem_async.py:248 and DDP call torch.cuda.synchronize / streams / events.
+        torch.cuda.synchronize = lambda *a, **k: None
+        torch.cuda.Stream = _NoOpStream
+        torch.cuda.Event = _NoOpStream
+        torch.cuda.current_stream = lambda *a, **k: _NoOpStream()
+        torch.cuda.default_stream = lambda *a, **k: _NoOpStream()
+        torch.cuda.stream = lambda *a, **k: _NoOpStream()
+        torch.cuda.empty_cache = lambda: None
+        _cpu_rng_tracker_patches()
+        _moe_split_sizes_patch()
+        _MODE = _CudaToCpuMode()
+        _MODE.__enter__()  # process-wide: the mode stays on the stack for the life of the process
+        _ENABLED = True
+    return True
+
+
+def is_enabled() -> bool:
+    return _ENABLED
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_config_overrides() -> dict:
+    """TransformerConfig fields that must take these values on CPU (no fused CUDA kernels, CPU
+    initialisation, gloo p2p without torch.cuda.synchronize)."""
+    return dict(
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        batch_p2p_sync=False,
+        moe_grouped_gemm=False,
+    )

@@ -1,0 +1,107 @@
+"""Run a function on N gloo ranks spawned on this machine (2-8), for tests and the CPU demo.
+
+`run_ranks(fn, world_size, ...)` starts `world_size` processes with the `spawn` start method, each
+in its own process group (so a timeout kills the rank *and* anything it started, e.g. Megatron's
+checkpoint-writer children), initialises `torch.distributed` on gloo over a free loopback port,
+calls `fn(rank, world_size, *args)`, and returns the per-rank results in rank order. Any rank's
+exception is re-raised in the caller with that rank's traceback; a rank that does not finish within
+`timeout_s` gets the whole group killed and a `TimeoutError` naming the ranks still running.
+`fn` must be importable by module path (a module-level function), as `spawn` pickles it by name.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import multiprocessing as mp
+
+
+class RankFailure(RuntimeError):
+    """A spawned rank raised; the message carries its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank: int, world_size: int, port: int, args: Sequence[Any], out: "mp.Queue") -> None:
+    os.setpgrp()  # own process group: the parent can kill us and our children together
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    # One compute thread per rank: N ranks share 2 cores; oversubscribing threads only slows them.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        out.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        out.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.pid is None:
+            continue
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in procs:
+        p.join(5)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:
+    if not 1 <= world_size <= 8:
+        raise ValueError(f"world_size={world_size}: run_ranks spawns 1 to 8 local ranks")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, out), daemon=False)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                running = sorted(set(range(world_size)) - set(results))
+                raise TimeoutError(f"ranks {running} of {world_size} still running after {timeout_s:.0f} s; killed")
+            try:
+                rank, status, payload = out.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    raise RankFailure(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
+                                      "without reporting (killed by a signal or out of memory?)")
+                continue
+            if status == "error":
+                raise RankFailure(f"rank {rank} of {world_size} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        if len(results) < world_size:
+            _kill(procs)
+        else:
+            for p in procs:
+                p.join(30)
+            _kill([p for p in procs if p.is_alive()])
+    return [results[r] for r in range(world_size)]

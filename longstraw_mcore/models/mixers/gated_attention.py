@@ -1,0 +1,93 @@
+"""Gated full attention (Qwen3.5/3.6 `full_attention` layers) on Megatron tensor parallel.
+
+Legend: S tokens, B batch, P cached positions, D head_dim; Hq / Hk heads local to this TP rank.
+
+    [q | gate] = linear_q(x)            per head: D query dims then D gate dims (the reference layout)
+    q = q_norm(q), k = k_norm(linear_k(x)), v = linear_v(x)      zero-centred RMSNorm over D
+    q, k = partial RoPE at positions P..P+S-1 (first rotary_dim dims rotated, rest passed)
+    o = softmax(q [K_cache, k]^T / sqrt(D), causal) [V_cache, v]      GQA: Hq/Hk queries per kv head
+    out = linear_proj(o * sigmoid(gate))
+
+Tensor parallel splits by heads (q heads with their gates, kv heads), `linear_proj` is row parallel.
+The cached state is K (after k-norm and RoPE) and V of earlier positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.module import MegatronModule
+
+from longstraw_mcore.models.mixers.common import sharded_state_dict_with_tp_params
+from longstraw_mcore.models.mixers.state import AttentionState
+from longstraw_mcore.models.norms import ZeroCenteredRMSNorm
+from longstraw_mcore.ops.attention import apply_partial_rope, cached_causal_attention, rope_cos_sin
+
+
+@dataclass
+class GatedAttentionSubmodules:
+    linear_qkv: type = ColumnParallelLinear
+    linear_proj: type = RowParallelLinear
+
+
+class GatedAttentionMixer(MegatronModule):
+    def __init__(self, config, submodules: GatedAttentionSubmodules, layer_number: int, pg_collection=None,
+                 model_cfg=None, **kwargs):
+        super().__init__(config=config)
+        m = model_cfg
+        assert m is not None, "GatedAttentionMixer needs model_cfg (the spec builder passes it)"
+        self.layer_number = layer_number
+        self.tp_group = pg_collection.tp
+        tp = self.tp_group.size()
+        self.hq, self.hk, self.d = m.num_attention_heads // tp, m.num_key_value_heads // tp, m.head_dim
+        self.rotary_dim, self.rope_theta = m.rotary_dim, m.rope_theta
+        Hd = config.hidden_size
+
+        def col(out_features):
+            return submodules.linear_qkv(Hd, out_features, config=config, init_method=config.init_method, bias=False,
+                                         gather_output=False, skip_bias_add=True, tp_group=self.tp_group)
+
+        self.linear_q = col(m.num_attention_heads * m.head_dim * 2)
+        self.linear_k = col(m.num_key_value_heads * m.head_dim)
+        self.linear_v = col(m.num_key_value_heads * m.head_dim)
+        self.q_norm = ZeroCenteredRMSNorm(config, m.head_dim, eps=m.rms_norm_eps, tp_group=self.tp_group)
+        self.k_norm = ZeroCenteredRMSNorm(config, m.head_dim, eps=m.rms_norm_eps, tp_group=self.tp_group)
+        self.linear_proj = submodules.linear_proj(m.num_attention_heads * m.head_dim, Hd, config=config,
+                                                  init_method=config.output_layer_init_method, bias=False,
+                                                  input_is_parallel=True, skip_bias_add=True, tp_group=self.tp_group)
+
+    def forward(self, hidden_states, attention_mask=None, inference_context=None, **kwargs):
+        """hidden_states [S, B, Hd] -> (out [S, B, Hd], None). Reads/writes `AttentionState`."""
+        ctx = inference_context
+        cached: AttentionState | None = ctx.read(self.layer_number) if ctx is not None else None
+        offset = ctx.position_offset if ctx is not None else 0
+        if cached is not None and cached.length != offset:
+            raise ValueError(f"layer {self.layer_number}: cached K/V hold {cached.length} positions but the "
+                             f"position offset is {offset}")
+        S, B, _ = hidden_states.shape
+        x = hidden_states.transpose(0, 1)                                       # [B, S, Hd]
+        qg, _ = self.linear_q(x)
+        qg = qg.reshape(B, S, self.hq, 2 * self.d)
+        q, gate = qg[..., :self.d], qg[..., self.d:]
+        k, _ = self.linear_k(x)
+        v, _ = self.linear_v(x)
+        q = self.q_norm(q)
+        k = self.k_norm(k.reshape(B, S, self.hk, self.d))
+        v = v.reshape(B, S, self.hk, self.d)
+        pos = torch.arange(offset, offset + S, device=x.device)
+        cos, sin = rope_cos_sin(pos, self.rotary_dim, self.rope_theta, x.dtype)
+        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        o = cached_causal_attention(q, k, v, cached.k if cached is not None else None,
+                                    cached.v if cached is not None else None)
+        if ctx is not None and ctx.collect:
+            new_k = k if cached is None else torch.cat([cached.k, k], dim=1)
+            new_v = v if cached is None else torch.cat([cached.v, v], dim=1)
+            ctx.write(self.layer_number, AttentionState(k=new_k, v=new_v))
+        o = o.reshape(B, S, self.hq * self.d) * torch.sigmoid(gate.reshape(B, S, self.hq * self.d))
+        out, _ = self.linear_proj(o.transpose(0, 1).contiguous())
+        return out, None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return sharded_state_dict_with_tp_params(self, {}, prefix, sharded_offsets, metadata, self.tp_group)

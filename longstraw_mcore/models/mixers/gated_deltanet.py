@@ -1,0 +1,128 @@
+"""Gated DeltaNet token mixer (Qwen3.5/3.6 `linear_attention` layers) on Megatron tensor parallel.
+
+Legend: S tokens, B batch, Hd hidden; hk key heads and Hv value heads *local to this TP rank*.
+
+    q, k, v = in_proj_{q,k,v}(x);  z = in_proj_z(x);  b = in_proj_b(x);  a = in_proj_a(x)
+    q, k, v = silu(causal_conv([q, k, v]))             depthwise, kernel W, continuing the cached window
+    beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)       (state dtype, >= float32)
+    o, S = gated_delta_rule(q, k, v, g, beta, S_in)    q/k L2-normalised, q scaled by Dk^-0.5
+    out = out_proj(GatedRMSNorm(o, z))
+
+Tensor parallel splits by head group: rank r owns q/k heads [r*hk, (r+1)*hk) and the value heads
+they serve, so every projection, conv channel, A_log and dt_bias is a contiguous dim-0 slice, and
+out_proj is row parallel. The reference fuses q/k/v into one `in_proj_qkv` (and one conv over the
+concatenated channels); a per-rank head slice of that fused tensor is not contiguous, so here they
+are three column-parallel projections (and three conv weights), joined/split by a named transform
+in checkpoint/qwen3_5.py. The depthwise conv is per channel, so the split is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.module import MegatronModule
+
+from longstraw_mcore.models.mixers.common import full_then_shard, sharded_state_dict_with_tp_params
+from longstraw_mcore.models.mixers.state import GDNState
+from longstraw_mcore.models.norms import GatedRMSNorm
+from longstraw_mcore.ops.gated_delta import causal_conv1d, chunk_gated_delta_rule
+
+
+@dataclass
+class GatedDeltaNetSubmodules:
+    in_proj: type = ColumnParallelLinear
+    out_proj: type = RowParallelLinear
+
+
+class GatedDeltaNetMixer(MegatronModule):
+    _TP_PARAMS = {"A_log": 0, "dt_bias": 0, "conv_q": 0, "conv_k": 0, "conv_v": 0}
+
+    def __init__(self, config, submodules: GatedDeltaNetSubmodules, layer_number: int, pg_collection=None,
+                 model_cfg=None, **kwargs):
+        super().__init__(config=config)
+        m = model_cfg
+        assert m is not None, "GatedDeltaNetMixer needs model_cfg (the spec builder passes it)"
+        self.layer_number = layer_number
+        self.tp_group = pg_collection.tp
+        tp, r = self.tp_group.size(), self.tp_group.rank()
+        self.hk, self.hv = m.linear_num_key_heads // tp, m.linear_num_value_heads // tp
+        self.dk, self.dv = m.linear_key_head_dim, m.linear_value_head_dim
+        self.conv_width = m.linear_conv_kernel_dim
+        self.chunk_size = m.gdn_chunk_size
+        self.state_dtype = m.state_dtype
+        dtype = config.params_dtype
+        Hd = config.hidden_size
+
+        def col(out_features):
+            return submodules.in_proj(Hd, out_features, config=config, init_method=config.init_method, bias=False,
+                                      gather_output=False, skip_bias_add=True, tp_group=self.tp_group)
+
+        self.in_proj_q = col(m.linear_num_key_heads * self.dk)
+        self.in_proj_k = col(m.linear_num_key_heads * self.dk)
+        self.in_proj_v = col(m.linear_num_value_heads * self.dv)
+        self.in_proj_z = col(m.linear_num_value_heads * self.dv)
+        self.in_proj_b = col(m.linear_num_value_heads)
+        self.in_proj_a = col(m.linear_num_value_heads)
+        seed, tag = 1234, f"layer{layer_number}"
+        W = self.conv_width
+        std = config.init_method_std
+
+        def normal(t, g):
+            return t.normal_(0.0, std, generator=g)
+
+        self.conv_q = full_then_shard((m.linear_num_key_heads * self.dk, W), normal, r, tp, dtype, seed, tag + "cq")
+        self.conv_k = full_then_shard((m.linear_num_key_heads * self.dk, W), normal, r, tp, dtype, seed, tag + "ck")
+        self.conv_v = full_then_shard((m.linear_num_value_heads * self.dv, W), normal, r, tp, dtype, seed, tag + "cv")
+        self.A_log = full_then_shard((m.linear_num_value_heads,), lambda t, g: t.uniform_(1.0, 16.0, generator=g).log_(),
+                                     r, tp, dtype, seed, tag + "A")
+        self.dt_bias = full_then_shard((m.linear_num_value_heads,), lambda t, g: t.fill_(1.0), r, tp, dtype, seed,
+                                       tag + "dt")
+        self.norm = GatedRMSNorm(self.dv, eps=m.rms_norm_eps, tp_group=self.tp_group, dtype=dtype)
+        self.out_proj = submodules.out_proj(m.linear_num_value_heads * self.dv, Hd, config=config,
+                                            init_method=config.output_layer_init_method, bias=False,
+                                            input_is_parallel=True, skip_bias_add=True, tp_group=self.tp_group)
+
+    def conv_channels(self) -> int:
+        return 2 * self.hk * self.dk + self.hv * self.dv
+
+    def forward(self, hidden_states, attention_mask=None, inference_context=None, **kwargs):
+        """hidden_states [S, B, Hd] -> (out [S, B, Hd], None). Reads/writes `GDNState` via the context."""
+        ctx = inference_context
+        cached: GDNState | None = ctx.read(self.layer_number) if ctx is not None else None
+        S, B, _ = hidden_states.shape
+        q, _ = self.in_proj_q(hidden_states)
+        k, _ = self.in_proj_k(hidden_states)
+        v, _ = self.in_proj_v(hidden_states)
+        z, _ = self.in_proj_z(hidden_states)
+        b, _ = self.in_proj_b(hidden_states)
+        a, _ = self.in_proj_a(hidden_states)
+
+        mixed = torch.cat([q, k, v], dim=-1).transpose(0, 1)                   # [B, S, Ch]
+        conv_w = torch.cat([self.conv_q, self.conv_k, self.conv_v], dim=0)     # [Ch, W]
+        mixed, conv_state = causal_conv1d(mixed, conv_w, cached.conv if cached is not None else None)
+        mixed = F.silu(mixed)
+        nq = self.hk * self.dk
+        q, k, v = torch.split(mixed, [nq, nq, self.hv * self.dv], dim=-1)
+        q = q.reshape(B, S, self.hk, self.dk)
+        k = k.reshape(B, S, self.hk, self.dk)
+        v = v.reshape(B, S, self.hv, self.dv)
+
+        sd = self.state_dtype
+        beta = torch.sigmoid(b.transpose(0, 1).to(sd))                          # [B, S, Hv]
+        g = -self.A_log.to(sd).exp() * F.softplus(a.transpose(0, 1).to(sd) + self.dt_bias.to(sd))
+        o, rec = chunk_gated_delta_rule(q, k, v, g, beta, cached.recurrent if cached is not None else None,
+                                        chunk_size=self.chunk_size, state_dtype=sd)
+        if ctx is not None and ctx.collect:
+            ctx.write(self.layer_number, GDNState(conv=conv_state, recurrent=rec))
+
+        z = z.transpose(0, 1).reshape(B, S, self.hv, self.dv)
+        o = self.norm(o.to(hidden_states.dtype), z).reshape(B, S, self.hv * self.dv)
+        out, _ = self.out_proj(o.transpose(0, 1).contiguous())
+        return out, None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return sharded_state_dict_with_tp_params(self, self._TP_PARAMS, prefix, sharded_offsets, metadata,
+                                                 self.tp_group)

@@ -1,0 +1,1 @@
+"""Process groups and collectives. Knows no model and no schedule."""

@@ -1,0 +1,102 @@
+"""Bring up torch.distributed and Megatron's model-parallel groups for a `RunConfig`.
+
+`setup_parallel(cfg)` checks the layout against the world size *before* creating any group, applies
+the CPU patches when the device is `cpu`, initialises Megatron's groups (order tp-cp-ep-dp-pp), seeds
+the model-parallel RNG, and returns the `ProcessGroupCollection` that every module receives
+explicitly. Under torchrun the default group is created from the environment (gloo on CPU, NCCL on
+CUDA); inside `launch_local.run_ranks` it already exists.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from longstraw_mcore import cpu_compat
+from longstraw_mcore.config import ConfigError, RunConfig
+
+
+@dataclass
+class Parallel:
+    """What a rank knows about the layout: its process groups and coordinates."""
+
+    pgs: object  # megatron.core.process_groups_config.ProcessGroupCollection
+    device: torch.device
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    rank: int
+    world_size: int
+
+    @property
+    def tp_rank(self) -> int:
+        return self.pgs.tp.rank()
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pgs.pp.rank()
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def layout(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp, "world_size": self.world_size}
+
+
+def init_distributed(device: str) -> None:
+    """Create the default process group from torchrun's environment if none exists."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # a plain `python` launch: one rank
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        from longstraw_mcore.launch_local import free_port
+
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+
+
+def setup_parallel(cfg: RunConfig) -> Parallel:
+    device = cfg.resolved_device()
+    world = int(os.environ["WORLD_SIZE"]) if not dist.is_initialized() and "WORLD_SIZE" in os.environ else None
+    if world is not None:
+        cfg.parallel.dp_for(world)  # fail before creating any group
+    cpu_compat.enable(device)
+    init_distributed(device)
+    world = dist.get_world_size()
+    p = cfg.parallel
+    dp = p.dp_for(world)
+    if p.pp > 1 and cfg.model.num_layers % p.pp:
+        raise ConfigError(f"model.num_layers={cfg.model.num_layers} is not divisible by parallel.pp={p.pp}")
+
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+                                             context_parallel_size=p.cp, expert_model_parallel_size=p.ep)
+    torch.manual_seed(cfg.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    return Parallel(pgs=pgs, device=dev, tp=p.tp, pp=p.pp, cp=p.cp, dp=dp, rank=dist.get_rank(), world_size=world)
+
+
+def teardown() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Create (once) and print the path of the project's Python 3.12 virtual environment.
+#
+# The venv lives outside the checkout, keyed by a hash of pyproject.toml's dependency lists + requirements/constraints.txt,
+# so clean clones and CI reuse it while a changed pin forces a fresh one. It holds the dependencies
+# only; the project itself runs from the checkout (scripts put it on PYTHONPATH), so two checkouts
+# can share one venv. Override the location with LONGSTRAW_VENV_ROOT.
+#   usage: scripts/env.sh [--test]      (--test adds the `test` extra: pytest, transformers)
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+extra="${1:-}"
+root="${LONGSTRAW_VENV_ROOT:-$HOME/.cache/longstraw-mcore}"
+# Hash only what decides the environment: the dependency lists and the pins (not pytest settings).
+hash=$( { python3 - "$repo/pyproject.toml" <<'PY'
+import sys, tomllib
+p = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print(p["requires-python"], sorted(p["dependencies"]), sorted(p["optional-dependencies"]["test"]))
+PY
+cat "$repo/requirements/constraints.txt"; } | sha256sum | cut -c1-12)
+venv="$root/venv-$hash"
+
+find_python() {
+  if command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+    echo python3.12; return
+  fi
+  if command -v pyenv >/dev/null 2>&1 && PYENV_VERSION=3.12.1 pyenv exec python3.12 --version >/dev/null 2>&1; then
+    echo "env PYENV_VERSION=3.12.1 pyenv exec python3.12"; return
+  fi
+  echo "error: need a Python 3.12 interpreter (python3.12 on PATH, or pyenv's 3.12.1); megatron-core>=0.17 requires it" >&2
+  exit 1
+}
+
+stamp() { echo "$venv/.ready${1}"; }
+if [ ! -f "$(stamp base)" ]; then
+  py=$(find_python)
+  mkdir -p "$root"
+  tmp="$venv.tmp.$$"
+  rm -rf "$tmp"
+  echo "[env] creating $venv (Python 3.12, megatron-core 0.19, torch ~5.5 GB: a few minutes once)" >&2
+  $py -m venv "$tmp"
+  "$tmp/bin/python" -m pip install -q --upgrade "pip>=24" >&2
+  # Dependencies only (the checkout is put on PYTHONPATH). Never transformer-engine on CPU.
+  deps=$("$tmp/bin/python" - "$repo/pyproject.toml" <<'PY'
+import sys, tomllib
+p = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print("\n".join(p["dependencies"]))
+PY
+)
+  echo "$deps" > "$tmp/deps.txt"
+  "$tmp/bin/python" -m pip install -q -c "$repo/requirements/constraints.txt" -r "$tmp/deps.txt" >&2
+  touch "$tmp/.readybase"
+  # Atomic publish: a half-built venv is never picked up by another run.
+  if ! mv -T "$tmp" "$venv" 2>/dev/null; then rm -rf "$tmp"; fi
+fi
+if [ "$extra" = "--test" ] && [ ! -f "$(stamp test)" ]; then
+  test_deps=$("$venv/bin/python" - "$repo/pyproject.toml" <<'PY'
+import sys, tomllib
+print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["test"]))
+PY
+)
+  echo "[env] adding test extra to $venv" >&2
+  echo "$test_deps" > "$venv/test-deps.txt"
+  "$venv/bin/python" -m pip install -q -c "$repo/requirements/constraints.txt" -r "$venv/test-deps.txt" >&2
+  if "$venv/bin/python" -c 'import transformer_engine' 2>/dev/null || "$venv/bin/python" -m pip show -q transformer-engine >/dev/null 2>&1; then
+    echo "error: transformer-engine found in the CPU venv $venv; it breaks 'import megatron.core'" >&2; exit 1
+  fi
+  if "$venv/bin/python" -m pip show -q flash-linear-attention >/dev/null 2>&1; then
+    echo "error: flash-linear-attention found in the test venv; the HF reference must take its torch path" >&2; exit 1
+  fi
+  touch "$(stamp test)"
+fi
+echo "$venv"
