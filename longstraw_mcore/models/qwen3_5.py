@@ -45,6 +45,8 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, device: str) -> Transf
         tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp, context_parallel_size=p.cp,
         sequence_parallel=False, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         init_method_std=0.02,
+        # Mixed layer types: checkpoint keys per global layer (decoder.layers.{i}.*), never stacked.
+        hetereogenous_dist_checkpoint=True,
     )
     if device == "cpu":
         kwargs.update(cpu_compat.cpu_config_overrides())

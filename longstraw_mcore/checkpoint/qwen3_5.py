@@ -1,0 +1,156 @@
+"""Hugging Face <-> Megatron mapping for the Qwen3.5/3.6 text decoder: one table, both directions.
+
+Megatron names are the *canonical* keys of `model.sharded_state_dict()`: TP-independent, global
+layer numbers, full (unsharded) tensors. Each rule maps a tuple of HF tensors to a tuple of Megatron
+tensors through a named transform and its inverse; `hf_to_mcore` and `mcore_to_hf` both read the
+same table, so a round trip is bit-exact by construction (only views, cat and split; no casts).
+
+    transform        HF -> Megatron                                  why
+    identity         x -> x
+    concat_rows      (gate_proj, up_proj) -> linear_fc1              Megatron's SwiGLU fc1 is [gate; up]
+    split_rows       in_proj_qkv -> (in_proj_q, in_proj_k, in_proj_v) per-head TP slices of q/k/v must
+                                                                     be contiguous (see gated_deltanet.py)
+    split_conv       conv1d.weight [C,1,W] -> (conv_q, conv_k, conv_v) [c,W] same, for the conv channels
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from longstraw_mcore.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Rule:
+    hf: tuple[str, ...]
+    mcore: tuple[str, ...]
+    transform: str
+
+
+def _sizes(m: ModelConfig) -> list[int]:
+    key_dim = m.linear_num_key_heads * m.linear_key_head_dim
+    return [key_dim, key_dim, m.linear_num_value_heads * m.linear_value_head_dim]
+
+
+def _forward(transform: str, m: ModelConfig) -> Callable[[list], list]:
+    if transform == "identity":
+        return lambda xs: list(xs)
+    if transform == "concat_rows":
+        return lambda xs: [torch.cat(xs, dim=0)]
+    if transform == "split_rows":
+        return lambda xs: list(torch.split(xs[0], _sizes(m), dim=0))
+    if transform == "split_conv":
+        return lambda xs: [t.squeeze(1) for t in torch.split(xs[0], _sizes(m), dim=0)]
+    raise KeyError(transform)
+
+
+def _inverse(transform: str, m: ModelConfig, hf_rows: list[int]) -> Callable[[list], list]:
+    if transform == "identity":
+        return lambda xs: list(xs)
+    if transform == "concat_rows":
+        return lambda xs: list(torch.split(xs[0], hf_rows, dim=0))
+    if transform == "split_rows":
+        return lambda xs: [torch.cat(xs, dim=0)]
+    if transform == "split_conv":
+        return lambda xs: [torch.cat([t.unsqueeze(1) for t in xs], dim=0)]
+    raise KeyError(transform)
+
+
+def rules(m: ModelConfig) -> list[Rule]:
+    out = [
+        Rule(("model.embed_tokens.weight",), ("embedding.word_embeddings.weight",), "identity"),
+        Rule(("model.norm.weight",), ("decoder.final_layernorm.weight",), "identity"),
+        Rule(("lm_head.weight",), ("output_layer.weight",), "identity"),
+    ]
+    for i, kind in enumerate(m.layer_types):
+        h, g = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out += [
+            Rule((h + "input_layernorm.weight",), (g + "input_layernorm.weight",), "identity"),
+            Rule((h + "post_attention_layernorm.weight",), (g + "pre_mlp_layernorm.weight",), "identity"),
+            Rule((h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), (g + "mlp.linear_fc1.weight",), "concat_rows"),
+            Rule((h + "mlp.down_proj.weight",), (g + "mlp.linear_fc2.weight",), "identity"),
+        ]
+        a, s = h + "self_attn.", g + "self_attention."
+        if kind == "full_attention":
+            out += [Rule((a + x + ".weight",), (s + y + ".weight",), "identity") for x, y in (
+                ("q_proj", "linear_q"), ("k_proj", "linear_k"), ("v_proj", "linear_v"), ("o_proj", "linear_proj"),
+                ("q_norm", "q_norm"), ("k_norm", "k_norm"))]
+        else:
+            a = h + "linear_attn."
+            out += [
+                Rule((a + "in_proj_qkv.weight",), (s + "in_proj_q.weight", s + "in_proj_k.weight",
+                                                   s + "in_proj_v.weight"), "split_rows"),
+                Rule((a + "conv1d.weight",), (s + "conv_q", s + "conv_k", s + "conv_v"), "split_conv"),
+            ]
+            out += [Rule((a + x,), (s + x,), "identity") for x in (
+                "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias", "norm.weight",
+                "out_proj.weight")]
+    return out
+
+
+def hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor a `Qwen3_5ForCausalLM` checkpoint of this config holds."""
+    H, V, F = m.hidden_size, m.vocab_size, m.intermediate_size
+    kd, vd = m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads * m.linear_value_head_dim
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
+    for i, kind in enumerate(m.layer_types):
+        h = f"model.layers.{i}."
+        shapes.update({h + "input_layernorm.weight": (H,), h + "post_attention_layernorm.weight": (H,),
+                       h + "mlp.gate_proj.weight": (F, H), h + "mlp.up_proj.weight": (F, H),
+                       h + "mlp.down_proj.weight": (H, F)})
+        if kind == "full_attention":
+            a, D = h + "self_attn.", m.head_dim
+            shapes.update({a + "q_proj.weight": (m.num_attention_heads * D * 2, H),
+                           a + "k_proj.weight": (m.num_key_value_heads * D, H),
+                           a + "v_proj.weight": (m.num_key_value_heads * D, H),
+                           a + "o_proj.weight": (H, m.num_attention_heads * D),
+                           a + "q_norm.weight": (D,), a + "k_norm.weight": (D,)})
+        else:
+            a, nv = h + "linear_attn.", m.linear_num_value_heads
+            shapes.update({a + "in_proj_qkv.weight": (2 * kd + vd, H), a + "in_proj_z.weight": (vd, H),
+                           a + "in_proj_b.weight": (nv, H), a + "in_proj_a.weight": (nv, H),
+                           a + "conv1d.weight": (2 * kd + vd, 1, m.linear_conv_kernel_dim),
+                           a + "A_log": (nv,), a + "dt_bias": (nv,),
+                           a + "norm.weight": (m.linear_value_head_dim,), a + "out_proj.weight": (H, vd)})
+    return shapes
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model: names the tensor and the expected/actual shapes."""
+
+
+def check_hf_tensors(tensors: dict[str, torch.Tensor], m: ModelConfig, where: str = "checkpoint") -> None:
+    expected = hf_shapes(m)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"{where}: missing tensor(s) {missing[:5]}{more}")
+    for k, shape in expected.items():
+        if tuple(tensors[k].shape) != shape:
+            raise CheckpointError(f"{where}: tensor {k} has shape {tuple(tensors[k].shape)}, expected {shape} "
+                                  f"for this config")
+
+
+def hf_to_mcore(hf: dict[str, torch.Tensor], m: ModelConfig, where: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """HF text-decoder tensors (names as in `Qwen3_5ForCausalLM`) -> canonical Megatron tensors."""
+    check_hf_tensors(hf, m, where)
+    out = {}
+    for r in rules(m):
+        for k, t in zip(r.mcore, _forward(r.transform, m)([hf[k] for k in r.hf])):
+            out[k] = t
+    return out
+
+
+def mcore_to_hf(mc: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {}
+    F = m.intermediate_size
+    for r in rules(m):
+        missing = [k for k in r.mcore if k not in mc]
+        if missing:
+            raise CheckpointError(f"Megatron state: missing tensor(s) {missing}")
+        for k, t in zip(r.hf, _inverse(r.transform, m, [F, F])([mc[k] for k in r.mcore])):
+            out[k] = t.contiguous()
+    return out
