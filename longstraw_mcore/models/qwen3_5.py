@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.enums import ModelType
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
@@ -92,6 +93,7 @@ class Qwen35HybridModel(LanguageModule):
                  pre_process: bool = True, post_process: bool = True):
         super().__init__(config=config, pg_collection=pg_collection)
         self.model_cfg = model_cfg
+        self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = False
         self.vocab_size = model_cfg.vocab_size
