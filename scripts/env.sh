@@ -11,11 +11,12 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 extra="${1:-}"
 root="${LONGSTRAW_VENV_ROOT:-$HOME/.cache/longstraw-mcore}"
 # Hash only what decides the environment: the dependency lists and the pins (not pytest settings).
-hash=$( { python3 - "$repo/pyproject.toml" <<'PY'
+hash=$( { { python3 - "$repo/pyproject.toml" <<'PY'
 import sys, tomllib
 p = tomllib.load(open(sys.argv[1], "rb"))["project"]
 print(p["requires-python"], sorted(p["dependencies"]), sorted(p["optional-dependencies"]["test"]))
 PY
+} 2>/dev/null || cat "$repo/pyproject.toml"  # no tomllib (python3 < 3.11): hash the whole file
 cat "$repo/requirements/constraints.txt"; } | sha256sum | cut -c1-12)
 venv="$root/venv-$hash"
 
@@ -30,27 +31,25 @@ find_python() {
   exit 1
 }
 
-stamp() { echo "$venv/.ready${1}"; }
+stamp() { echo "$venv/.ready-${1}"; }
+mkdir -p "$root"
+exec 9>"$root/.lock-$hash"
+flock 9  # one builder at a time; others wait, then find it ready
 if [ ! -f "$(stamp base)" ]; then
   py=$(find_python)
-  mkdir -p "$root"
-  tmp="$venv.tmp.$$"
-  rm -rf "$tmp"
+  # Build in place (console-script shebangs hold the venv path); the stamp marks it complete, so a
+  # half-built venv from an interrupted run is never used: it is wiped and rebuilt.
+  rm -rf "$venv"
   echo "[env] creating $venv (Python 3.12, megatron-core 0.19, torch ~5.5 GB: a few minutes once)" >&2
-  $py -m venv "$tmp"
-  "$tmp/bin/python" -m pip install -q --upgrade "pip>=24" >&2
+  $py -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade "pip>=24" >&2
   # Dependencies only (the checkout is put on PYTHONPATH). Never transformer-engine on CPU.
-  deps=$("$tmp/bin/python" - "$repo/pyproject.toml" <<'PY'
+  "$venv/bin/python" - "$repo/pyproject.toml" > "$venv/deps.txt" <<'PY'
 import sys, tomllib
-p = tomllib.load(open(sys.argv[1], "rb"))["project"]
-print("\n".join(p["dependencies"]))
+print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))
 PY
-)
-  echo "$deps" > "$tmp/deps.txt"
-  "$tmp/bin/python" -m pip install -q -c "$repo/requirements/constraints.txt" -r "$tmp/deps.txt" >&2
-  touch "$tmp/.readybase"
-  # Atomic publish: a half-built venv is never picked up by another run.
-  if ! mv -T "$tmp" "$venv" 2>/dev/null; then rm -rf "$tmp"; fi
+  "$venv/bin/python" -m pip install -q -c "$repo/requirements/constraints.txt" -r "$venv/deps.txt" >&2
+  touch "$(stamp base)"
 fi
 if [ "$extra" = "--test" ] && [ ! -f "$(stamp test)" ]; then
   test_deps=$("$venv/bin/python" - "$repo/pyproject.toml" <<'PY'

@@ -42,34 +42,74 @@ def _rank0_check(fn) -> None:
         raise CheckpointError(box[0])
 
 
+def _prepare_dir(dst: Path, tmp: Path) -> None:
+    if dst.exists() and any(dst.iterdir()):
+        raise CheckpointError(f"{dst} exists and is not empty; refusing to overwrite")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+
+
+def _publish(dst: Path, tmp: Path, meta: dict) -> None:
+    (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+    if dst.exists():
+        dst.rmdir()
+    os.replace(tmp, dst)
+
+
+def _meta(model_cfg: ModelConfig, layout: dict, extra: dict | None) -> dict:
+    return {"format": FORMAT, "model": dataclasses.asdict(model_cfg), "layout": layout, **(extra or {})}
+
+
 def save_checkpoint(model, directory: str | Path, model_cfg: ModelConfig, layout: dict, extra: dict | None = None):
+    """Save a (possibly TP/PP-sharded) model from every rank of the world."""
     from megatron.core import dist_checkpointing
 
     dst = Path(directory).resolve()
     tmp = dst.parent / f".{dst.name}.partial"
-
-    def prepare():
-        if dst.exists() and any(dst.iterdir()):
-            raise CheckpointError(f"{dst} exists and is not empty; refusing to overwrite")
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-
-    _rank0_check(prepare)
+    _rank0_check(lambda: _prepare_dir(dst, tmp))
     dist.barrier()
     dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
     dist.barrier()
-
-    def publish():
-        meta = {"format": FORMAT, "model": dataclasses.asdict(model_cfg), "layout": layout, **(extra or {})}
-        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
-        if dst.exists():
-            dst.rmdir()
-        os.replace(tmp, dst)
-
-    _rank0_check(publish)
+    _rank0_check(lambda: _publish(dst, tmp, _meta(model_cfg, layout, extra)))
     dist.barrier()
     return dst
+
+
+def save_full_tensors(tensors: dict, directory: str | Path, model_cfg: ModelConfig, extra: dict | None = None):
+    """Save full canonical tensors from one process, dtypes untouched.
+
+    Each tensor is one whole shard under its canonical key. The canonical layout *is* Megatron's
+    global layout (including SwiGLU fc1 = [gate; up]), so the result loads at any tp/pp."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if dist.get_world_size() != 1:
+        raise RuntimeError(f"save_full_tensors writes from one process; this process group has "
+                           f"{dist.get_world_size()} ranks (run the converter without torchrun)")
+    dst = Path(directory).resolve()
+    tmp = dst.parent / f".{dst.name}.partial"
+    _prepare_dir(dst, tmp)
+    try:
+        sharded = {k: ShardedTensor.from_rank_offsets(k, t.contiguous(), replica_id=0) for k, t in tensors.items()}
+        dist_checkpointing.save(sharded, str(tmp))
+        _publish(dst, tmp, _meta(model_cfg, {"tp": 1, "pp": 1, "cp": 1, "dp": 1, "world_size": 1}, extra))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def load_full_tensors(directory: str | Path) -> dict:
+    """Every tensor of a checkpoint, full, in its stored dtype (one process)."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    stored = dist_checkpointing.load_tensors_metadata(str(directory))
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.empty(tuple(v.global_shape), dtype=v.dtype), replica_id=0)
+               for k, v in stored.items()}
+    return dict(dist_checkpointing.load(request, str(directory)))
 
 
 def read_checkpoint_meta(directory: str | Path) -> tuple[ModelConfig, dict]:
@@ -99,8 +139,16 @@ def check_against_model(model, directory: str | Path) -> None:
 def load_checkpoint(model, directory: str | Path) -> None:
     from megatron.core import dist_checkpointing
 
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
     check_against_model(model, directory)
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(directory))
+    # Layer `_extra_state` objects (Transformer Engine metadata; empty for the plain-torch layers) are
+    # absent from checkpoints written from full tensors: skip those, refuse anything else missing.
+    state, missing_ckpt, _ = dist_checkpointing.load(model.sharded_state_dict(), str(directory),
+                                                     strict=StrictHandling.RETURN_ALL)
+    real = sorted(k for k in missing_ckpt if "_extra_state" not in k)
+    if real:
+        raise CheckpointError(f"{directory}: checkpoint lacks {real[:5]}")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing:

@@ -115,8 +115,9 @@ def hf_config_dict(m: ModelConfig) -> dict:
     }
 
 
-def write_hf(path: str | Path, tensors: dict[str, torch.Tensor], m: ModelConfig) -> Path:
-    """Write config.json + model.safetensors atomically (temp dir, then rename). Refuses to overwrite."""
+def write_hf(path: str | Path, tensors: dict[str, torch.Tensor], m: ModelConfig, config: dict | None = None) -> Path:
+    """Write config.json (`config`, or one made from `m`) + model.safetensors atomically (temp dir,
+    then rename). Refuses to overwrite a non-empty directory."""
     from safetensors.torch import save_file
 
     dst = Path(path)
@@ -127,7 +128,7 @@ def write_hf(path: str | Path, tensors: dict[str, torch.Tensor], m: ModelConfig)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config_dict(m), indent=2))
+        (tmp / "config.json").write_text(json.dumps(config if config is not None else hf_config_dict(m), indent=2))
         if dst.exists():
             dst.rmdir()
         os.replace(tmp, dst)

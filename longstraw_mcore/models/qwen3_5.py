@@ -13,6 +13,8 @@ Cached prompt state reaches the mixers through Megatron's `inference_context` ar
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
@@ -68,8 +70,8 @@ def layer_spec(layer_type: str, m: ModelConfig) -> ModuleSpec:
             self_attention=mixer,
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=ZeroCenteredRMSNorm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                                linear_fc2=RowParallelLinear)),
+            mlp=partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                       linear_fc2=RowParallelLinear)),
             mlp_bda=get_bias_dropout_add,
         ),
     )

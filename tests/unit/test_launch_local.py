@@ -1,0 +1,63 @@
+"""The spawn harness: results in rank order, a rank's failure re-raised with its traceback, and a
+hung rank killed together with its children on timeout (a hung test must never hang CI)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from longstraw_mcore.launch_local import RankFailure, run_ranks
+
+
+def _allreduce_rank(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    return rank, world_size, float(t)
+
+
+def _fail_on_rank_1(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom from rank one")
+    return rank
+
+
+def _hang_with_child(rank, world_size, pidfile):
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "300"])
+    with open(f"{pidfile}.{rank}", "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    time.sleep(300)
+
+
+def test_results_in_rank_order():
+    assert run_ranks(_allreduce_rank, 3, timeout_s=120) == [(0, 3, 6.0), (1, 3, 6.0), (2, 3, 6.0)]
+
+
+def test_failure_reraised_with_traceback():
+    with pytest.raises(RankFailure) as e:
+        run_ranks(_fail_on_rank_1, 2, timeout_s=120)
+    assert "rank 1 of 2 failed" in str(e.value) and "ValueError: boom from rank one" in str(e.value)
+    assert "_fail_on_rank_1" in str(e.value)  # the rank's own traceback
+
+
+def test_timeout_kills_ranks_and_their_children(tmp_path):
+    pidfile = str(tmp_path / "pids")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 still running after 8 s"):
+        run_ranks(_hang_with_child, 2, pidfile, timeout_s=8)
+    assert time.monotonic() - t0 < 30
+    time.sleep(0.5)
+    for r in range(2):
+        for pid in map(int, open(f"{pidfile}.{r}").read().split()):
+            try:
+                os.kill(pid, 0)
+                with open(f"/proc/{pid}/stat") as f:
+                    assert f.read().split()[2] == "Z", f"pid {pid} (rank {r}) survived the timeout"
+            except ProcessLookupError:
+                pass
