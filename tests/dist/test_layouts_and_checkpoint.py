@@ -5,7 +5,8 @@ dimension and the vocabulary, and every split is undone exactly by one all-reduc
 outputs, vocab-parallel embedding) or one gather (logits); pipeline parallelism only moves
 activations between stages. In float64 the only differences are reduction-order roundings, so
 logits and every parameter gradient (gathered to full tensors) must agree with TP=1 to 1e-10
-relative. A Megatron distributed checkpoint written at TP=2 must load at TP=1 and at PP=2 (into
+relative. The mixers' cached-state hook: running a prefix with `collect=True` and then the rest
+against its state reproduces the one-pass logits and every layer's final state (1e-12), at TP 1/2/4. A Megatron distributed checkpoint written at TP=2 must load at TP=1 and at PP=2 (into
 models initialised differently) and give bit-identical logits to the same layout loaded straight
 from the HF weights. Not covered here: sequence parallel, CP (not implemented yet).
 """
@@ -47,6 +48,36 @@ def _layout_run(m, tp, pp, full_weights, ids, probe, seed):
     return par, model, out[0]["logits"], gather_full(model, grads=True)
 
 
+def _continuation_errors(m, tp, full, ids):
+    """max relative error of split-at-`a` runs (logits, and the final state of every layer) vs one pass."""
+    from longstraw_mcore.checkpoint.full_state import load_full
+    from longstraw_mcore.config import ParallelConfig, RunConfig
+    from longstraw_mcore.models.mixers.state import AttentionState, StateContext
+    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.parallel.groups import setup_parallel
+
+    par = setup_parallel(RunConfig(model=m, parallel=ParallelConfig(tp=tp), device="cpu"))
+    model = build_model(m, par, "cpu")
+    load_full(model, full)
+    worst = 0.0
+    with torch.no_grad():
+        one = StateContext(collect=True)
+        ref = model(ids, state=one)
+        for a in (1, 7, SEQ - 1):
+            first = StateContext(0, collect=True)
+            l1 = model(ids[:, :a], state=first)
+            second = StateContext(a, states=first.new_states, collect=True)
+            l2 = model(ids[:, a:], state=second)
+            worst = max(worst, rel(torch.cat([l1, l2], 1), ref))
+            assert set(second.new_states) == set(one.new_states) == set(range(1, m.num_layers + 1))
+            for n, st in one.new_states.items():
+                got = second.new_states[n]
+                pairs = [(got.k, st.k), (got.v, st.v)] if isinstance(st, AttentionState) else \
+                    [(got.conv, st.conv), (got.recurrent, st.recurrent)]
+                worst = max([worst] + [rel(x, y) for x, y in pairs])
+    return worst
+
+
 def _worker(rank, world_size, tmpdir):
     from hf_reference import build_hf_model, hf_state, tiny_model_config
 
@@ -73,6 +104,9 @@ def _worker(rank, world_size, tmpdir):
         errs[key] = dict(logits=rel(logits, base_logits), grad=g[worst], worst=worst,
                          same_keys=set(grads) == set(base_grads))
 
+    # Cached state: prompt with collect=True, then the continuation reading that state, equals one pass.
+    continuation = {tp: _continuation_errors(m, tp, full, ids) for tp in (1, 2, 4)}
+
     # Checkpoint: save at TP=2 (from HF weights), load at TP=1 and PP=2 into differently seeded models.
     par, model, _, _ = _layout_run(m, 2, 1, full, ids, probe, seed=1)
     ckpt = f"{tmpdir}/tp2"
@@ -96,11 +130,15 @@ def _worker(rank, world_size, tmpdir):
             differed_before=any(not torch.equal(before[k], saved_params[k]) for k in saved_params),
             params_equal=all(torch.equal(after[k], saved_params[k]) for k in saved_params),
             logits_bitwise=torch.equal(out[0]["logits"], runs[(tp, pp)][0]))
-    return errs, ckpt_results
+    return errs, ckpt_results, continuation
 
 
 def test_tp_pp_invariance_and_checkpoint_resharding(tmp_path):
-    errs, ckpt = run_ranks(_worker, 4, str(tmp_path), timeout_s=900)[0]
+    errs, ckpt, continuation = run_ranks(_worker, 4, str(tmp_path), timeout_s=900)[0]
+    for tp, err in continuation.items():
+        print(f"tp={tp}: prompt state + continuation vs one pass: worst rel {err:.2e} (logits and every "
+              "layer's K/V, conv window, recurrent state)")
+        assert err <= 1e-12, (tp, err)
     for key, e in errs.items():
         print(f"tp={key[0]} pp={key[1]}: logits rel {e['logits']:.2e}, worst grad rel {e['grad']:.2e} ({e['worst']})")
     for key, c in ckpt.items():
