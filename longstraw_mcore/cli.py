@@ -63,11 +63,13 @@ def cmd_smoke(args) -> int:
     if args.hf:
         from longstraw_mcore.checkpoint.convert import load_hf_into_model
 
-        load_hf_into_model(model, args.hf, expect=m)
+        skipped = load_hf_into_model(model, args.hf, expect=m)
+        _rank0_print(f"[smoke] loaded {args.hf} (converted in memory; skipped {len(skipped)} non-decoder tensors)")
     elif args.load:
         from longstraw_mcore.checkpoint.dist_ckpt import load_checkpoint
 
         load_checkpoint(model, args.load)
+        _rank0_print(f"[smoke] loaded Megatron checkpoint {args.load}")
     n_params = count_parameters(model, par)
     _rank0_print(f"[smoke] {m.family}: {m.num_layers} layers ({m.layer_types.count('linear_attention')} Gated "
                  f"DeltaNet + {m.layer_types.count('full_attention')} gated attention), hidden {m.hidden_size}, "

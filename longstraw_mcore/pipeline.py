@@ -29,11 +29,7 @@ def forward_backward(model, par, batches: list[torch.Tensor], loss_fn: Callable,
         ids = next(data_iterator).to(par.device)
         out = model_(ids)
 
-        def reduce(output):
-            loss, metrics = loss_fn(output)
-            return loss, metrics
-
-        return out, reduce
+        return out, loss_fn
 
     fb = get_forward_backward_func(pp_size=par.pp)
     kwargs = dict(forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=len(batches),
@@ -45,8 +41,8 @@ def forward_backward(model, par, batches: list[torch.Tensor], loss_fn: Callable,
                       pg_collection=par.pgs)
     results = fb(**kwargs)
     # Results live on the last stage; give every rank the same list.
+    if par.pp == 1:
+        return results
     box = [results if par.is_last_stage else None]
-    src = dist.get_global_rank(par.pgs.pp, par.pp - 1) if par.pp > 1 else dist.get_rank()
-    if par.pp > 1:
-        dist.broadcast_object_list(box, src=src, group=par.pgs.pp)
+    dist.broadcast_object_list(box, src=dist.get_global_rank(par.pgs.pp, par.pp - 1), group=par.pgs.pp)
     return box[0]

@@ -14,7 +14,7 @@ from pathlib import Path
 from longstraw_mcore.checkpoint.dist_ckpt import load_full_tensors, read_checkpoint_meta, save_full_tensors
 from longstraw_mcore.checkpoint.full_state import load_full
 from longstraw_mcore.checkpoint.hf import read_config, read_tensors, write_hf
-from longstraw_mcore.checkpoint.qwen3_5 import CheckpointError, hf_to_mcore, mcore_to_hf
+from longstraw_mcore.checkpoint.qwen3_5 import CheckpointError, LazyCanonical, hf_to_mcore, mcore_to_hf
 from longstraw_mcore.config import ConfigError, ModelConfig, ParallelConfig, validate_layout
 
 
@@ -74,7 +74,7 @@ def load_hf_into_model(model, src: str | Path, expect: ModelConfig | None = None
     if expect is not None:
         _check_same_dims(m, expect, src)
     tensors, skipped = read_tensors(src)
-    load_full(model, hf_to_mcore(tensors, m, where=str(src)))
+    load_full(model, LazyCanonical(tensors, m, where=str(src)))  # reads each HF tensor once, on demand
     return skipped
 
 

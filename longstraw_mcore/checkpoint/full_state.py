@@ -60,11 +60,12 @@ def expected_keys(model) -> dict[str, tuple[int, ...]]:
 
 
 @torch.no_grad()
-def load_full(model, full: dict[str, torch.Tensor]) -> None:
-    """Copy this rank's slices of `full` (canonical key -> full tensor) into the model's parameters.
+def load_full(model, full) -> None:
+    """Copy this rank's slices of `full` (canonical key -> full tensor; a dict or a lazy mapping with
+    `.shape(key)`, read key by key) into the model's parameters.
 
     Every key/shape is checked before anything is written, so a bad checkpoint leaves the model as it was."""
-    from longstraw_mcore.checkpoint.qwen3_5 import CheckpointError
+    from longstraw_mcore.checkpoint.qwen3_5 import CheckpointError, shape_of
 
     entries = _entries(model)
     plan = []
@@ -74,8 +75,8 @@ def load_full(model, full: dict[str, torch.Tensor]) -> None:
             if leaf.key not in full:
                 raise CheckpointError(f"checkpoint has no tensor {leaf.key!r} (needed by this model)")
             gshape = tuple(leaf.global_shape[leaf.prepend_axis_num:])
-            if tuple(full[leaf.key].shape) != gshape:
-                raise CheckpointError(f"tensor {leaf.key!r} has shape {tuple(full[leaf.key].shape)}, the model "
+            if shape_of(full, leaf.key) != gshape:
+                raise CheckpointError(f"tensor {leaf.key!r} has shape {shape_of(full, leaf.key)}, the model "
                                       f"expects {gshape}")
         plan.append((e, leaves, merge))
     for e, leaves, merge in plan:

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -77,24 +78,51 @@ def _text_key(key: str) -> str | None:
     return key
 
 
-def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """All text-decoder tensors of an HF directory (CausalLM names) and the list of skipped keys."""
-    from safetensors import safe_open
+class SafetensorsDir(Mapping):
+    """The text-decoder tensors of an HF directory under their `Qwen3_5ForCausalLM` names, read on
+    access (one tensor at a time); shapes come from the file headers without reading data."""
 
-    d = Path(path)
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{d}: no *.safetensors files")
-    tensors, skipped = {}, []
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for key in fh.keys():
-                name = _text_key(key)
-                if name is None:
-                    skipped.append(key)
-                else:
-                    tensors[name] = fh.get_tensor(key)
-    return tensors, skipped
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+
+        d = Path(path)
+        files = sorted(d.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{d}: no *.safetensors files")
+        self._where: dict[str, tuple[str, str]] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self.skipped: list[str] = []
+        for f in files:
+            with safe_open(str(f), framework="pt") as fh:
+                for key in fh.keys():
+                    name = _text_key(key)
+                    if name is None:
+                        self.skipped.append(key)
+                        continue
+                    self._where[name] = (str(f), key)
+                    self._shapes[name] = tuple(fh.get_slice(key).get_shape())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        f, key = self._where[name]
+        with safe_open(f, framework="pt") as fh:
+            return fh.get_tensor(key)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def read_tensors(path: str | Path) -> tuple[SafetensorsDir, list[str]]:
+    """The text-decoder tensors of an HF directory (lazy, CausalLM names) and the skipped keys."""
+    tensors = SafetensorsDir(path)
+    return tensors, tensors.skipped
 
 
 def hf_config_dict(m: ModelConfig) -> dict:

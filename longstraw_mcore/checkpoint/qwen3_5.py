@@ -15,6 +15,7 @@ same table, so a round trip is bit-exact by construction (only views, cat and sp
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
 
@@ -122,26 +123,61 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the model: names the tensor and the expected/actual shapes."""
 
 
-def check_hf_tensors(tensors: dict[str, torch.Tensor], m: ModelConfig, where: str = "checkpoint") -> None:
+def shape_of(tensors: Mapping, key: str) -> tuple[int, ...]:
+    """Shape without reading data when the mapping can tell it (lazy checkpoint readers)."""
+    return tuple(tensors.shape(key)) if hasattr(tensors, "shape") else tuple(tensors[key].shape)
+
+
+def check_hf_tensors(tensors: Mapping, m: ModelConfig, where: str = "checkpoint") -> None:
     expected = hf_shapes(m)
     missing = sorted(set(expected) - set(tensors))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"{where}: missing tensor(s) {missing[:5]}{more}")
     for k, shape in expected.items():
-        if tuple(tensors[k].shape) != shape:
-            raise CheckpointError(f"{where}: tensor {k} has shape {tuple(tensors[k].shape)}, expected {shape} "
+        if shape_of(tensors, k) != shape:
+            raise CheckpointError(f"{where}: tensor {k} has shape {shape_of(tensors, k)}, expected {shape} "
                                   f"for this config")
 
 
-def hf_to_mcore(hf: dict[str, torch.Tensor], m: ModelConfig, where: str = "checkpoint") -> dict[str, torch.Tensor]:
+class LazyCanonical(Mapping):
+    """Canonical Megatron tensors computed on access from (possibly lazy) HF tensors, one rule at a
+    time: loading a sharded model reads each HF tensor once and holds at most one rule's tensors."""
+
+    def __init__(self, hf: Mapping, m: ModelConfig, where: str = "checkpoint"):
+        check_hf_tensors(hf, m, where)
+        self._hf, self._m = hf, m
+        self._rule_of = {k: r for r in rules(m) for k in r.mcore}
+        self._cache: tuple[Rule | None, dict] = (None, {})
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        r = self._rule_of[key]
+        if self._cache[0] is not r:
+            outs = _forward(r.transform, self._m)([self._hf[k] for k in r.hf])
+            self._cache = (r, dict(zip(r.mcore, outs)))
+        return self._cache[1][key]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        r = self._rule_of[key]
+        shapes = [shape_of(self._hf, k) for k in r.hf]
+        if r.transform == "identity":
+            return shapes[r.mcore.index(key)]
+        if r.transform == "concat_rows":
+            return (sum(s[0] for s in shapes),) + shapes[0][1:]
+        rows = _sizes(self._m)[r.mcore.index(key)]
+        return (rows,) + (shapes[0][1:] if r.transform == "split_rows" else shapes[0][2:])
+
+    def __iter__(self):
+        return iter(self._rule_of)
+
+    def __len__(self) -> int:
+        return len(self._rule_of)
+
+
+def hf_to_mcore(hf: Mapping, m: ModelConfig, where: str = "checkpoint") -> dict[str, torch.Tensor]:
     """HF text-decoder tensors (names as in `Qwen3_5ForCausalLM`) -> canonical Megatron tensors."""
-    check_hf_tensors(hf, m, where)
-    out = {}
-    for r in rules(m):
-        for k, t in zip(r.mcore, _forward(r.transform, m)([hf[k] for k in r.hf])):
-            out[k] = t
-    return out
+    lazy = LazyCanonical(hf, m, where)
+    return {k: lazy[k] for k in lazy}
 
 
 def mcore_to_hf(mc: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:

@@ -66,7 +66,9 @@ class GatedDeltaNetMixer(MegatronModule):
         self.in_proj_z = col(m.linear_num_value_heads * self.dv)
         self.in_proj_b = col(m.linear_num_value_heads)
         self.in_proj_a = col(m.linear_num_value_heads)
-        seed, tag = 1234, f"layer{layer_number}"
+        # Own parameters are drawn in full from a generator keyed by (run seed, layer) and sliced, so
+        # every TP size starts from the same full weights (as Megatron's use_cpu_initialization does).
+        seed, tag = torch.initial_seed(), f"layer{layer_number}"
         W = self.conv_width
         std = config.init_method_std
 
