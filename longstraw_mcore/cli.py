@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    import warnings
+
+    # Megatron warns at import that TE / apex / absl are absent; on CPU that is the expected set-up.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.|$)")
     args = build_parser().parse_args(argv)
     from longstraw_mcore.checkpoint.qwen3_5 import CheckpointError
     from longstraw_mcore.config import ConfigError
