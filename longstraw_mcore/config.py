@@ -54,6 +54,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     gdn_chunk_size: int = 64
     """Chunk length of the chunked gated delta rule."""
+    attention_block: int = 1024
+    """Key block of the blockwise attention (memory O(queries x block), never queries x keys)."""
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     """Parameter and activation dtype."""
 
@@ -63,7 +65,7 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "full_attention_interval",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
                      "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                     "linear_conv_kernel_dim", "gdn_chunk_size"):
+                     "linear_conv_kernel_dim", "gdn_chunk_size", "attention_block"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"model.{name}={v!r}: must be a positive integer")

@@ -119,11 +119,15 @@ class Qwen35HybridModel(LanguageModule):
         self.decoder.set_input_tensor(input_tensor)
 
     def forward(self, input_ids: torch.Tensor, position_ids=None, attention_mask=None,
-                state: StateContext | None = None, **kwargs) -> torch.Tensor:
-        """input_ids [B, S] (first stage; other stages take the tensor from `set_input_tensor`)."""
+                state: StateContext | None = None, hidden_only: bool = False, **kwargs) -> torch.Tensor:
+        """input_ids [B, S] (first stage; other stages take the tensor from `set_input_tensor`).
+
+        `hidden_only`: return the decoder output `[S, B, Hd]` (after the final norm on the last stage)
+        without the output layer: prompt capture needs no logits, and log-probs are computed from
+        hidden states in token chunks (loss/logprobs.py)."""
         decoder_input = self.embedding(input_ids=input_ids, position_ids=None) if self.pre_process else None
         hidden = self.decoder(hidden_states=decoder_input, attention_mask=None, inference_context=state)
-        if not self.post_process:
+        if not self.post_process or hidden_only:
             return hidden
         logits, _ = self.output_layer(hidden)
         return logits.transpose(0, 1).contiguous()

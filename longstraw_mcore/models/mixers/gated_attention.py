@@ -9,7 +9,8 @@ Legend: S tokens, B batch, P cached positions, D head_dim; Hq / Hk heads local t
     out = linear_proj(o * sigmoid(gate))
 
 Tensor parallel splits by heads (q heads with their gates, kv heads), `linear_proj` is row parallel.
-The cached state is K (after k-norm and RoPE) and V of earlier positions.
+The cached state is K (after k-norm and RoPE) and V of earlier positions; a call writes back the
+K/V of its own positions (the context appends them).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from megatron.core.transformer.module import MegatronModule
 from longstraw_mcore.models.mixers.common import sharded_state_dict_with_tp_params
 from longstraw_mcore.models.mixers.state import AttentionState
 from longstraw_mcore.models.norms import ZeroCenteredRMSNorm
-from longstraw_mcore.ops.attention import apply_partial_rope, cached_causal_attention, rope_cos_sin
+from longstraw_mcore.ops.attention import apply_partial_rope, rope_cos_sin
+from longstraw_mcore.ops.block_attention import block_attention, merge_attention
 
 
 @dataclass
@@ -43,6 +45,7 @@ class GatedAttentionMixer(MegatronModule):
         tp = self.tp_group.size()
         self.hq, self.hk, self.d = m.num_attention_heads // tp, m.num_key_value_heads // tp, m.head_dim
         self.rotary_dim, self.rope_theta = m.rotary_dim, m.rope_theta
+        self.block = m.attention_block
         Hd = config.hidden_size
 
         def col(out_features):
@@ -79,12 +82,15 @@ class GatedAttentionMixer(MegatronModule):
         pos = torch.arange(offset, offset + S, device=x.device)
         cos, sin = rope_cos_sin(pos, self.rotary_dim, self.rope_theta, x.dtype)
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
-        o = cached_causal_attention(q, k, v, cached.k if cached is not None else None,
-                                    cached.v if cached is not None else None)
+        # One softmax over (cached positions) U (this call's positions), merged by log-sum-exp: the
+        # cached K/V are read in place (no concatenated copy), and their gradients, when they require
+        # them (exact mode), come out of the same backward.
+        parts = [block_attention(q, k, v, q_start=offset, k_start=offset, block=self.block)]
+        if cached is not None and cached.length > 0:
+            parts.insert(0, block_attention(q, cached.k, cached.v, q_start=offset, k_start=0, block=self.block))
+        o = merge_attention(parts)
         if ctx is not None and ctx.collect:
-            new_k = k if cached is None else torch.cat([cached.k, k], dim=1)
-            new_v = v if cached is None else torch.cat([cached.v, v], dim=1)
-            ctx.write(self.layer_number, AttentionState(k=new_k, v=new_v))
+            ctx.write(self.layer_number, AttentionState(k=k, v=v))  # this call's positions only
         o = o.reshape(B, S, self.hq * self.d) * torch.sigmoid(gate.reshape(B, S, self.hq * self.d))
         out, _ = self.linear_proj(o.transpose(0, 1).contiguous())
         return out, None

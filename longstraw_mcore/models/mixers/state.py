@@ -3,8 +3,12 @@
 The model is run with a `StateContext` passed through Megatron's `inference_context` slot; it is the
 only way branch-replay concerns reach layer code. A mixer asks `ctx.read(layer_number)` for the
 state of earlier positions (None = start of sequence), uses `ctx.position_offset` as the absolute
-position of its first token, and, when `ctx.collect` is set, hands back its state *after* this
-call's tokens with `ctx.write(layer_number, state)`. Layer numbers are Megatron's global 1-based ones.
+position of its first token, and, when `ctx.collect` is set, hands back what its tokens add with
+`ctx.write(layer_number, state)`: attention the K/V of its own positions, GDN its whole state after
+them. What a context does with that (keep, append into a preallocated buffer, record with its
+graph) is the context's business: `StateContext` here keeps a plain dict (tests, simple use);
+prompt_state/ holds the capture / replay / recompute contexts. Layer numbers are Megatron's
+global 1-based ones.
 
 Shapes (local to the TP rank): attention k/v `[B, P, Hk, D]` after k-norm and RoPE; GDN conv window
 `[B, Ch, W-1]` (Ch = local q, k, v channels in that order), recurrent `[B, Hv, Dk, Dv]` in
@@ -62,8 +66,14 @@ class StateContext:
         return self.states.get(layer_number)
 
     def write(self, layer_number: int, state) -> None:
-        if self.collect:
-            self.new_states[layer_number] = state
+        """Attention writes the K/V of its own positions (appended to what it read); GDN writes its
+        whole state after this call."""
+        if not self.collect:
+            return
+        old = self.states.get(layer_number)
+        if isinstance(state, AttentionState) and old is not None:
+            state = AttentionState(k=torch.cat([old.k, state.k], 1), v=torch.cat([old.v, state.v], 1))
+        self.new_states[layer_number] = state
 
     # Megatron's TransformerLayer/Block only query these under CUDA-graph inference; answer plainly.
     def is_static_batching(self) -> bool:

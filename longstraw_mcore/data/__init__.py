@@ -1,0 +1,1 @@
+"""Rollout data: the JSON Lines prompt-group format and its validation."""

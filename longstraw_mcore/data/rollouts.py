@@ -1,0 +1,120 @@
+"""Rollouts file: JSON Lines, one prompt group per line (ARCHITECTURE.md section 5).
+
+    {"prompt": [ids], "responses": [[ids], ...], "rewards": [floats],
+     "old_logprobs": [[floats], ...]?, "ref_logprobs": [[floats], ...]?}
+
+`load_rollouts` validates every group before any model work and raises `RolloutError` naming the
+group (0-based index = line order among non-empty lines), the field and the value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class RolloutError(ValueError):
+    pass
+
+
+@dataclass
+class RolloutGroup:
+    prompt: list[int]
+    responses: list[list[int]]
+    rewards: list[float]
+    old_logprobs: list[list[float]] | None = None
+    ref_logprobs: list[list[float]] | None = None
+
+    @property
+    def group_size(self) -> int:
+        return len(self.responses)
+
+
+def _ids(value, where: str, vocab_size: int) -> list[int]:
+    if not isinstance(value, list):
+        raise RolloutError(f"{where}: expected a list of token ids, got {type(value).__name__}")
+    for i, t in enumerate(value):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise RolloutError(f"{where}[{i}]={t!r}: token ids must be integers")
+        if not 0 <= t < vocab_size:
+            raise RolloutError(f"{where}[{i}]={t}: token id out of range [0, {vocab_size})")
+    return value
+
+
+def _floats_per_response(value, where: str, responses: list[list[int]]) -> list[list[float]]:
+    if not isinstance(value, list) or len(value) != len(responses):
+        n = len(value) if isinstance(value, list) else type(value).__name__
+        raise RolloutError(f"{where}: expected one list per response ({len(responses)}), got {n}")
+    for b, (lp, resp) in enumerate(zip(value, responses)):
+        if not isinstance(lp, list) or len(lp) != len(resp):
+            n = len(lp) if isinstance(lp, list) else type(lp).__name__
+            raise RolloutError(f"{where}[{b}]: length {n} != response length {len(resp)}")
+        for t, x in enumerate(lp):
+            if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
+                raise RolloutError(f"{where}[{b}][{t}]={x!r}: log-probs must be finite numbers")
+    return value
+
+
+def parse_group(obj: dict, index: int, vocab_size: int) -> RolloutGroup:
+    g = f"group {index}"
+    if not isinstance(obj, dict):
+        raise RolloutError(f"{g}: expected a JSON object, got {type(obj).__name__}")
+    for key in ("prompt", "responses", "rewards"):
+        if key not in obj:
+            raise RolloutError(f"{g}: missing field '{key}'")
+    unknown = sorted(set(obj) - {"prompt", "responses", "rewards", "old_logprobs", "ref_logprobs"})
+    if unknown:
+        raise RolloutError(f"{g}: unknown field(s) {unknown}")
+    prompt = _ids(obj["prompt"], f"{g}: prompt", vocab_size)
+    if not prompt:
+        raise RolloutError(f"{g}: prompt is empty (at least one token is needed: it predicts the first response token)")
+    responses = obj["responses"]
+    if not isinstance(responses, list) or not responses:
+        raise RolloutError(f"{g}: responses must be a non-empty list of token-id lists")
+    for b, r in enumerate(responses):
+        _ids(r, f"{g}: responses[{b}]", vocab_size)
+        if not r:
+            raise RolloutError(f"{g}: responses[{b}] is empty")
+    rewards = obj["rewards"]
+    if not isinstance(rewards, list) or len(rewards) != len(responses):
+        n = len(rewards) if isinstance(rewards, list) else type(rewards).__name__
+        raise RolloutError(f"{g}: rewards count {n} != responses count {len(responses)}")
+    for b, r in enumerate(rewards):
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r):
+            raise RolloutError(f"{g}: rewards[{b}]={r!r}: rewards must be finite numbers")
+    old = obj.get("old_logprobs")
+    ref = obj.get("ref_logprobs")
+    return RolloutGroup(prompt=prompt, responses=responses, rewards=[float(r) for r in rewards],
+                        old_logprobs=None if old is None else _floats_per_response(old, f"{g}: old_logprobs", responses),
+                        ref_logprobs=None if ref is None else _floats_per_response(ref, f"{g}: ref_logprobs", responses))
+
+
+def load_rollouts(path: str | Path, vocab_size: int) -> list[RolloutGroup]:
+    p = Path(path)
+    if not p.is_file():
+        raise RolloutError(f"rollouts file {str(p)!r} does not exist")
+    groups = []
+    for line_no, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RolloutError(f"group {len(groups)} (line {line_no}): invalid JSON: {e}") from None
+        groups.append(parse_group(obj, len(groups), vocab_size))
+    if not groups:
+        raise RolloutError(f"{p}: no prompt groups")
+    return groups
+
+
+def write_rollouts(path: str | Path, groups: list[RolloutGroup]) -> None:
+    with open(path, "w") as f:
+        for g in groups:
+            obj = {"prompt": g.prompt, "responses": g.responses, "rewards": g.rewards}
+            if g.old_logprobs is not None:
+                obj["old_logprobs"] = g.old_logprobs
+            if g.ref_logprobs is not None:
+                obj["ref_logprobs"] = g.ref_logprobs
+            f.write(json.dumps(obj) + "\n")

@@ -1,0 +1,92 @@
+"""The GRPO objective per prompt group (ARCHITECTURE.md section 2), split into per-branch terms.
+
+    A_b = (r_b - mean r) / (std r + eps)        (std: torch.std, unbiased; or mean-only)
+    rho_t = exp(logp_t - old_t)                 (old = logp.detach() when the rollout has none: on-policy)
+    l_t = -min(rho_t A_b, clip(rho_t, 1 - eps_low, 1 + eps_high) A_b) + beta * k3_t
+    k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
+    L = sum_b w_b sum_t l_bt       token_mean: w_b = 1 / (tokens in the group); seq_mean: w_b = 1 / (G R_b)
+
+L is a sum of branch terms, so each branch can be replayed and back-propagated on its own. A group
+whose rewards are all equal has A = 0: with beta = 0 it contributes nothing and is skipped (counted,
+never divided by zero); with beta > 0 its KL term still counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from longstraw_mcore.config import ConfigError
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    beta: float = 0.0
+    """Weight of the k3 KL penalty to the reference policy."""
+    std_normalize: bool = True
+    """Divide advantages by the group's reward std (False: mean-only)."""
+    adv_eps: float = 1e-6
+    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+
+    def __post_init__(self):
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+            raise ConfigError(f"grpo.eps_low={self.eps_low}, grpo.eps_high={self.eps_high}: need 0 <= eps_low < 1, "
+                              "eps_high >= 0")
+        if self.beta < 0:
+            raise ConfigError(f"grpo.beta={self.beta}: must be >= 0")
+        if self.aggregation not in ("token_mean", "seq_mean"):
+            raise ConfigError(f"grpo.aggregation={self.aggregation!r}: must be 'token_mean' or 'seq_mean'")
+
+
+def advantages(rewards: list[float], cfg: GRPOConfig) -> torch.Tensor | None:
+    """Per-branch advantages in float64, or None when all rewards are equal (zero advantage)."""
+    r = torch.tensor(rewards, dtype=torch.float64)
+    if len(rewards) < 2 or bool((r == r[0]).all()):
+        return None
+    a = r - r.mean()
+    return a / (r.std() + cfg.adv_eps) if cfg.std_normalize else a
+
+
+def branch_weights(lengths: list[int], cfg: GRPOConfig) -> list[float]:
+    if cfg.aggregation == "token_mean":
+        total = sum(lengths)
+        return [1.0 / total] * len(lengths)
+    return [1.0 / (len(lengths) * n) for n in lengths]
+
+
+def branch_loss(logp: torch.Tensor, adv: float, weight: float, cfg: GRPOConfig,
+                old: torch.Tensor | None = None, ref: torch.Tensor | None = None):
+    """One branch's term of L (a scalar with graph) and its stats (clipped tokens, KL sum, tokens)."""
+    old = logp.detach() if old is None else old.to(logp.dtype)
+    ratio = torch.exp(logp - old)
+    clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    per_token = -torch.minimum(ratio * adv, clipped * adv)
+    kl_sum = 0.0
+    if cfg.beta > 0:
+        if ref is None:
+            raise ValueError("grpo.beta > 0 needs reference log-probs (ref_logprobs or a reference model)")
+        d = ref.to(logp.dtype) - logp
+        k3 = torch.exp(d) - d - 1
+        per_token = per_token + cfg.beta * k3
+        kl_sum = float(k3.detach().sum())
+    n_clipped = int(((ratio * adv) > (clipped * adv)).sum()) if adv != 0 else 0
+    return per_token.sum() * weight, {"clipped": n_clipped, "kl_sum": kl_sum, "tokens": int(logp.numel())}
+
+
+def group_loss_fn(group, cfg: GRPOConfig, adv: torch.Tensor | None):
+    """`loss_fn(b, logp)` for the replay engine: branch b's term of the group objective."""
+    weights = branch_weights([len(r) for r in group.responses], cfg)
+
+    def loss_fn(b: int, logp: torch.Tensor):
+        old = None if group.old_logprobs is None else torch.tensor(group.old_logprobs[b], dtype=logp.dtype,
+                                                                    device=logp.device)
+        ref = None if group.ref_logprobs is None else torch.tensor(group.ref_logprobs[b], dtype=logp.dtype,
+                                                                    device=logp.device)
+        a = 0.0 if adv is None else float(adv[b])
+        return branch_loss(logp, a, weights[b], cfg, old=old, ref=ref)
+
+    return loss_fn

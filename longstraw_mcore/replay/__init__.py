@@ -1,0 +1,1 @@
+"""Branch replay: capture once, replay each branch, exact-mode prompt backward."""
