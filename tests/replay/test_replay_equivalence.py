@@ -1,0 +1,139 @@
+"""Branch replay computes the gradient it names.
+
+exact    == plain full-sequence GRPO over G copies of [prompt, y_b] on the same Megatron model: the
+           exact mode adds the state-gradient path (sum_b dL_b/dS) dS/dtheta through the reverse chunk
+           sweep, so it must equal ordinary autograd over the whole sequence, to float64 rounding.
+detached == Hugging Face `transformers` run on prompt[:-1] under no_grad returning its cache, then on
+           each branch with autograd using a copy of that cache (the prompt state is a constant there
+           by construction): per-token log-probs and gradients, mapped through the conversion table.
+Invariances: branch order, capture chunk size, one branch at a time vs all branches batched.
+The objective exercises every term: off-policy old log-probs (so clipping is active), k3 KL to
+reference log-probs, token-mean aggregation; G=1 has zero advantage and keeps only the KL term.
+Not covered here: TP (tests/replay/test_replay_tp.py), pipeline parallelism (replay runs at PP=1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longstraw_mcore.launch_local import run_ranks
+
+
+def rel(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def make_group(m, P, lengths, seed, ref_model_logps=None):
+    from longstraw_mcore.data.rollouts import RolloutGroup
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, m.vocab_size, (P,), generator=g).tolist()
+    resp = [torch.randint(0, m.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    rewards = torch.rand(len(lengths), generator=g, dtype=torch.float64).tolist()
+    old = [(-3.0 + 0.6 * torch.randn(n, generator=g, dtype=torch.float64)).tolist() for n in lengths]
+    ref = [(-3.0 + 0.6 * torch.randn(n, generator=g, dtype=torch.float64)).tolist() for n in lengths]
+    return RolloutGroup(prompt=prompt, responses=resp, rewards=rewards, old_logprobs=old, ref_logprobs=ref)
+
+
+def grads_and_loss(model, group, gcfg, runner):
+    from longstraw_mcore.checkpoint.full_state import gather_full
+    from longstraw_mcore.loss.grpo import advantages, group_loss_fn
+
+    fn = group_loss_fn(group, gcfg, advantages(group.rewards, gcfg))
+    losses = []
+
+    def tracking(b, lp):
+        loss, stats = fn(b, lp)
+        losses.append(float(loss.detach()))
+        return loss, stats
+
+    model.zero_grad(set_to_none=True)
+    logps = runner(tracking)
+    return sum(losses), logps, gather_full(model, grads=True)
+
+
+def _worker(rank, world_size):
+    from hf_reference import build_hf_model, hf_state, tiny_model_config
+
+    from longstraw_mcore.checkpoint.full_state import load_full
+    from longstraw_mcore.checkpoint.qwen3_5 import hf_to_mcore
+    from longstraw_mcore.config import ParallelConfig, RunConfig
+    from longstraw_mcore.loss.grpo import GRPOConfig
+    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.parallel.groups import setup_parallel
+    from longstraw_mcore.prompt_state.containers import analytic_state_bytes
+    from longstraw_mcore.replay.engine import ReplayConfig, capture, run_group
+    from longstraw_mcore.replay.reference import full_sequence_branches
+
+    m = tiny_model_config()
+    hf = build_hf_model(m, seed=3)
+    par = setup_parallel(RunConfig(model=m, parallel=ParallelConfig(), device="cpu"))
+    model = build_model(m, par, "cpu")
+    load_full(model, hf_to_mcore(hf_state(hf), m))
+    gcfg = GRPOConfig(beta=0.05)
+    out = {"exact": [], "invariance": [], "bytes": []}
+
+    for P, lengths, seed in [(23, [1], 1), (23, [5, 1, 9], 2), (17, [3, 1, 7, 2, 6, 1, 4, 8], 3), (1, [4, 2, 1], 4)]:
+        group = make_group(m, P, lengths, seed)
+        ref_loss, ref_lp, ref_g = grads_and_loss(model, group, gcfg, lambda fn: full_sequence_branches(
+            model, group.prompt, group.responses, fn))
+        for chunk in sorted({5, max(P - 1, 1)}):
+            for mode in ("exact", "detached"):
+                cfg = ReplayConfig(mode=mode, chunk_len=chunk)
+                loss, lp, g = grads_and_loss(model, group, gcfg, lambda fn: [
+                    r.logprobs for r in run_group(model, group.prompt, group.responses, fn, cfg, tp=1)[0]])
+                if mode == "exact":
+                    worst = max(g, key=lambda k: rel(g[k], ref_g[k]))
+                    out["exact"].append(dict(P=P, G=len(lengths), chunk=chunk, loss=abs(loss - ref_loss) / abs(ref_loss),
+                                             logp=max(rel(a, b) for a, b in zip(lp, ref_lp)), grad=rel(g[worst], ref_g[worst]),
+                                             worst=worst))
+                else:
+                    num = sum(float((g[k] * ref_g[k]).sum()) for k in g)
+                    den = (sum(float((g[k] ** 2).sum()) for k in g) * sum(float((ref_g[k] ** 2).sum()) for k in g)) ** 0.5
+                    out.setdefault("cosine", []).append((P, len(lengths), num / den))
+                # invariances on the larger groups: reversed branch order, batched branches
+                if len(lengths) >= 3:
+                    for variant in ("reversed", "batched"):
+                        vcfg = ReplayConfig(mode=mode, chunk_len=chunk, batch_branches=variant == "batched")
+                        order = list(reversed(range(len(lengths)))) if variant == "reversed" else None
+                        l2, lp2, g2 = grads_and_loss(model, group, gcfg, lambda fn: [
+                            r.logprobs for r in run_group(model, group.prompt, group.responses, fn, vcfg, tp=1,
+                                                          order=order)[0]])
+                        out["invariance"].append(dict(P=P, mode=mode, chunk=chunk, variant=variant,
+                                                      grad=max(rel(g2[k], g[k]) for k in g),
+                                                      logp=max(rel(a, b) for a, b in zip(lp2, lp)),
+                                                      loss=abs(l2 - loss) / abs(loss)))
+        # chunk-size invariance within each mode
+        for mode in ("exact", "detached"):
+            gs = [grads_and_loss(model, group, gcfg, lambda fn: [r.logprobs for r in run_group(
+                model, group.prompt, group.responses, fn, ReplayConfig(mode=mode, chunk_len=c), tp=1)[0]])[2]
+                for c in (3, 64)]
+            out["invariance"].append(dict(P=P, mode=mode, chunk="3 vs 64", variant="chunk",
+                                          grad=max(rel(gs[0][k], gs[1][k]) for k in gs[1]), logp=0.0, loss=0.0))
+        # measured state bytes == analytic formula (exact mode keeps GDN state at chunk boundaries)
+        for mode, chunk in (("detached", 5), ("exact", 5), ("exact", 64)):
+            st = capture(model, torch.tensor([group.prompt[:-1]]), ReplayConfig(mode=mode, chunk_len=chunk), tp=1)
+            n_chunks = len(st.chunk_bounds) if mode == "exact" else 0
+            out["bytes"].append((P, mode, chunk, st.nbytes_by_type(), analytic_state_bytes(m, 1, P - 1, n_chunks)))
+    return out
+
+
+def test_exact_equals_full_sequence_and_invariances():
+    out = run_ranks(_worker, 1, timeout_s=900)[0]
+    for r in out["exact"]:
+        print(f"exact vs full-sequence GRPO: P={r['P']} G={r['G']} chunk={r['chunk']}: loss {r['loss']:.1e}, "
+              f"logp {r['logp']:.1e}, worst grad {r['grad']:.1e} ({r['worst']})")
+    for r in out["invariance"]:
+        print(f"invariance {r['variant']:>8} {r['mode']:>8} P={r['P']} chunk={r['chunk']}: grad {r['grad']:.1e}, "
+              f"logp {r['logp']:.1e}, loss {r['loss']:.1e}")
+    for P, G, cos in out["cosine"]:
+        print(f"cosine(detached, exact) P={P} G={G}: {cos:.6f}")
+    assert len(out["exact"]) >= 8
+    for r in out["exact"]:
+        assert r["loss"] <= 1e-10 and r["logp"] <= 1e-10 and r["grad"] <= 1e-10, r
+    for r in out["invariance"]:
+        assert r["grad"] <= 1e-10 and r["logp"] <= 1e-10 and r["loss"] <= 1e-10, r
+    for P, mode, chunk, measured, analytic in out["bytes"]:
+        print(f"state bytes P={P} {mode} chunk={chunk}: measured {measured} analytic {analytic}")
+        assert measured == analytic
+    assert any(cos < 0.9999 for _, G, cos in out["cosine"] if G > 1)  # the two modes really differ
