@@ -52,8 +52,7 @@ def cmd_smoke(args) -> int:
 
     t0 = time.perf_counter()
     par = setup_parallel(cfg)
-    from megatron.core import tensor_parallel
-
+    from longstraw_mcore.loss.logprobs import vocab_parallel_logprobs
     from longstraw_mcore.models.qwen3_5 import build_model
     from longstraw_mcore.pipeline import forward_backward
     from longstraw_mcore.training_utils import grad_norm, count_parameters
@@ -84,8 +83,7 @@ def cmd_smoke(args) -> int:
         inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].to(par.device)
 
         def loss_fn(logits_local):
-            per_token = tensor_parallel.vocab_parallel_cross_entropy(logits_local.float(), targets)
-            loss = per_token.mean()
+            loss = -vocab_parallel_logprobs(logits_local, targets, par.pgs.tp).mean()
             return loss, {"loss": loss.detach().clone()}
 
         model.zero_grad(set_to_none=True)

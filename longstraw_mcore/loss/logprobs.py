@@ -1,23 +1,47 @@
 """Per-token log-probs of target tokens from hidden states, vocab-parallel and chunked over tokens.
 
-logp[t] = -vocab_parallel_cross_entropy(output_layer(h[t]), y[t]): the log-softmax is computed
-across TP ranks (max / sum all-reduced, target logit taken on the rank that owns it), so no rank
-holds a full-vocabulary row. Tokens go `chunk` at a time and each chunk is recomputed in backward
-(activation checkpointing), so at no point more than one chunk's `[chunk, V/tp]` logits exist.
+    logp[t] = z[t, y_t] - logsumexp_v z[t, v],   z = output_layer(h)   (each TP rank holds V/tp columns)
+
+The max and the sum of exponentials are all-reduced across the TP group and the target logit is
+taken on the rank that owns it, so no rank ever holds a full-vocabulary row. Computed in float32
+(float64 for float64 models: unlike Megatron's vocab_parallel_cross_entropy, which always casts to
+float32). Tokens go `chunk` at a time and each chunk is recomputed in backward (activation
+checkpointing), so at most one chunk's `[chunk, B, V/tp]` logits exist at any time.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_logprobs(output_layer, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    from megatron.core import tensor_parallel
+def vocab_parallel_logprobs(logits_local: torch.Tensor, target: torch.Tensor, tp_group) -> torch.Tensor:
+    """logits_local [..., V/tp] (this rank's vocab slice), target [...] global ids -> log-probs [...]."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
+    work = torch.float64 if logits_local.dtype == torch.float64 else torch.float32
+    z = logits_local.to(work)
+    tp = 1 if tp_group is None else tp_group.size()
+    vloc = z.shape[-1]
+    start = (0 if tp == 1 else tp_group.rank()) * vloc
+    m = z.detach().amax(-1, keepdim=True)                       # a shift: no gradient needed
+    if tp > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = z - m
+    local = (target >= start) & (target < start + vloc)
+    idx = torch.where(local, target - start, torch.zeros_like(target))
+    picked = torch.where(local, shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1), torch.zeros((), dtype=work))
+    sumexp = shifted.exp().sum(-1)
+    if tp > 1:
+        picked = reduce_from_tensor_model_parallel_region(picked, group=tp_group)
+        sumexp = reduce_from_tensor_model_parallel_region(sumexp, group=tp_group)
+    return picked - torch.log(sumexp)
+
+
+def _chunk_logprobs(output_layer, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits, _ = output_layer(h)                                   # [c, B, V/tp]
-    work = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits.to(work), y)
+    return vocab_parallel_logprobs(logits, y, getattr(output_layer, "tp_group", None))
 
 
 def token_logprobs(output_layer, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
