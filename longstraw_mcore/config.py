@@ -141,11 +141,82 @@ class ParallelConfig:
 
 
 @dataclass(kw_only=True)
+class ReplayConfig:
+    """Branch replay (ARCHITECTURE.md sections 1-2)."""
+
+    mode: Literal["detached", "exact"] = "detached"
+    """detached: prompt state held constant (LongStraw's truncated gradient); exact: full-sequence GRPO."""
+    chunk_len: int = 4096
+    """Capture chunk length (tokens); peak capture activations are one chunk."""
+    logprob_chunk: int = 1024
+    """Tokens per vocab-parallel log-softmax chunk."""
+    batch_branches: bool = False
+    """Replay all branches of a group as one right-padded batch instead of one at a time."""
+
+    def __post_init__(self):
+        _check_choice("replay.mode", self.mode, ("detached", "exact"))
+        if self.chunk_len < 1 or self.logprob_chunk < 1:
+            raise ConfigError(f"replay.chunk_len={self.chunk_len}, replay.logprob_chunk={self.logprob_chunk}: "
+                              "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    """The GRPO objective (ARCHITECTURE.md section 2); defaults are what a run gets unconfigured."""
+
+    objective: Literal["grpo", "dpo"] = "grpo"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    beta: float = 0.0
+    """GRPO: weight of the k3 KL penalty to the reference policy. DPO: the DPO temperature."""
+    std_normalize: bool = True
+    """Divide advantages by the group's reward std (torch.std, unbiased); False: mean-only."""
+    adv_eps: float = 1e-6
+    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+
+    def __post_init__(self):
+        _check_choice("grpo.objective", self.objective, ("grpo", "dpo"))
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+            raise ConfigError(f"grpo.eps_low={self.eps_low}, grpo.eps_high={self.eps_high}: need 0 <= eps_low < 1, "
+                              "eps_high >= 0")
+        if self.beta < 0:
+            raise ConfigError(f"grpo.beta={self.beta}: must be >= 0")
+        _check_choice("grpo.aggregation", self.aggregation, ("token_mean", "seq_mean"))
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Optimizer and loop of `longstraw train`; a step is counted in prompt groups."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    groups_per_step: int = 1
+    """Prompt groups per optimizer step on each data-parallel rank."""
+    distributed_optimizer: bool = False
+    """Megatron's distributed optimizer (Adam state sharded over data parallel)."""
+    save_every: int = 0
+    """Checkpoint every K steps (0: only at the end when --save is given)."""
+
+    def __post_init__(self):
+        if self.lr <= 0 or self.groups_per_step < 1 or self.save_every < 0 or self.clip_grad < 0:
+            raise ConfigError(f"train.lr={self.lr}, train.groups_per_step={self.groups_per_step}, "
+                              f"train.save_every={self.save_every}, train.clip_grad={self.clip_grad}: need lr > 0, "
+                              "groups_per_step >= 1, save_every >= 0, clip_grad >= 0")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """Everything one `longstraw` invocation needs."""
 
     model: ModelConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     device: Literal["cpu", "cuda", "auto"] = "auto"
     """`cpu` (gloo), `cuda` (NCCL), or `auto`: cuda when available."""
     seed: int = 1234
@@ -224,6 +295,11 @@ def _dataclass_from_dict(cls, data: dict, where: str):
 def _coerce(typ, value, path: str):
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if typ is float and isinstance(value, str):  # PyYAML reads "1e-3" (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{path}={value!r}: expected a number") from None
     if typ is int and isinstance(value, float) and value.is_integer():
         return int(value)
     if getattr(typ, "__origin__", None) is Literal:
@@ -284,5 +360,5 @@ def model_config_from_dict(d: dict) -> ModelConfig:
     return _dataclass_from_dict(ModelConfig, d, "model")
 
 
-__all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "RunConfig", "load_config", "apply_overrides",
+__all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "ReplayConfig", "GRPOConfig", "TrainConfig", "RunConfig", "load_config", "apply_overrides",
            "validate_layout", "config_to_dict", "model_config_from_dict"]

@@ -13,33 +13,9 @@ never divided by zero); with beta > 0 its KL term still counts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
-from longstraw_mcore.config import ConfigError
-
-
-@dataclass(kw_only=True)
-class GRPOConfig:
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    beta: float = 0.0
-    """Weight of the k3 KL penalty to the reference policy."""
-    std_normalize: bool = True
-    """Divide advantages by the group's reward std (False: mean-only)."""
-    adv_eps: float = 1e-6
-    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
-
-    def __post_init__(self):
-        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
-            raise ConfigError(f"grpo.eps_low={self.eps_low}, grpo.eps_high={self.eps_high}: need 0 <= eps_low < 1, "
-                              "eps_high >= 0")
-        if self.beta < 0:
-            raise ConfigError(f"grpo.beta={self.beta}: must be >= 0")
-        if self.aggregation not in ("token_mean", "seq_mean"):
-            raise ConfigError(f"grpo.aggregation={self.aggregation!r}: must be 'token_mean' or 'seq_mean'")
+from longstraw_mcore.config import GRPOConfig
 
 
 def advantages(rewards: list[float], cfg: GRPOConfig) -> torch.Tensor | None:

@@ -18,35 +18,18 @@ Runs on pipeline-parallel size 1 (TP any); the objective is given as per-branch 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 
-from longstraw_mcore.config import ConfigError
+from longstraw_mcore.config import ReplayConfig
 from longstraw_mcore.loss.logprobs import token_logprobs
 from longstraw_mcore.models.mixers.state import AttentionState, GDNState
 from longstraw_mcore.prompt_state.containers import AttentionLayerBuffer, PromptState, allocate
 from longstraw_mcore.prompt_state.contexts import (CaptureContext, RecomputeContext, ReplayContext, ensure_grad,
                                                    make_leaves)
-
-
-@dataclass(kw_only=True)
-class ReplayConfig:
-    mode: Literal["detached", "exact"] = "detached"
-    chunk_len: int = 4096
-    """Capture chunk length (tokens); peak capture activations are one chunk."""
-    logprob_chunk: int = 1024
-    """Tokens per vocab-parallel log-softmax chunk."""
-    batch_branches: bool = False
-    """Replay all branches of a group as one right-padded batch instead of one at a time."""
-
-    def __post_init__(self):
-        if self.mode not in ("detached", "exact"):
-            raise ConfigError(f"replay.mode={self.mode!r}: must be 'detached' or 'exact'")
-        if self.chunk_len < 1 or self.logprob_chunk < 1:
-            raise ConfigError(f"replay.chunk_len={self.chunk_len}, replay.logprob_chunk={self.logprob_chunk}: "
-                              "must be >= 1")
 
 
 def _local_layers(model) -> dict[int, str]:
@@ -168,18 +151,31 @@ def exact_prompt_backward(model, state: PromptState, prompt_prefix: torch.Tensor
 
 
 def run_group(model, prompt: list[int], responses: list[list[int]], loss_fn: BranchLoss, cfg: ReplayConfig,
-              tp: int, order: list[int] | None = None) -> tuple[list[BranchResult], PromptState]:
-    """Capture, replay every branch with `loss_fn`, and (exact mode) the prompt backward."""
+              tp: int, order: list[int] | None = None, timed: bool = False):
+    """Capture, replay every branch with `loss_fn`, and (exact mode) the prompt backward.
+
+    Returns (results, state) or, with `timed`, (results, state, seconds per phase)."""
     core = _unwrap(model)
     device = next(core.parameters()).device
+    clock = [time.perf_counter()]
+    seconds = {}
+
+    def lap(name):
+        now = time.perf_counter()
+        seconds[name] = now - clock[0]
+        clock[0] = now
+
     prefix = torch.tensor([prompt[:-1]], device=device, dtype=torch.long)
     state = capture(model, prefix, cfg, tp)
+    lap("capture")
     leaves = make_leaves(state) if cfg.mode == "exact" else None
     order = list(range(len(responses))) if order is None else order
     results = replay_branches(model, state, prompt[-1], responses, order, loss_fn, cfg, leaves)
+    lap("replay")
     if cfg.mode == "exact" and state.length > 0:
         exact_prompt_backward(model, state, prefix, leaves)
-    return results, state
+        lap("prompt_backward")
+    return (results, state, seconds) if timed else (results, state)
 
 
 def score_group(model, prompt: list[int], responses: list[list[int]], cfg: ReplayConfig, tp: int,

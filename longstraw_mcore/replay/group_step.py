@@ -1,0 +1,87 @@
+"""One prompt group through branch replay with the configured objective (GRPO or DPO).
+
+`process_group` captures the prompt, replays the branches with their loss terms scaled by `scale`
+(the group's share of the step objective), runs the exact-mode prompt backward, and returns the
+group's metrics. Gradients accumulate into whatever the model accumulates into (param.grad, or the
+DDP grad buffers). A GRPO group whose rewards are all equal and beta == 0 is skipped without any
+model work (counted); with beta > 0 its KL term still trains.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from longstraw_mcore.config import GRPOConfig, ReplayConfig
+from longstraw_mcore.data.rollouts import RolloutGroup
+from longstraw_mcore.loss import dpo
+from longstraw_mcore.loss.grpo import advantages, group_loss_fn
+from longstraw_mcore.replay.engine import run_group, score_group
+
+
+@dataclass
+class GroupStats:
+    loss: float = 0.0
+    reward_mean: float = 0.0
+    tokens: int = 0
+    clipped: int = 0
+    kl_sum: float = 0.0
+    skipped: bool = False
+    state_bytes: int = 0
+    ref_state_bytes: int = 0
+    logprobs: list | None = None
+    seconds: dict | None = None
+
+
+def _scaled(fn, scale: float, sink: list):
+    def loss_fn(b, logp):
+        loss, stats = fn(b, logp)
+        sink.append((float(loss.detach()), stats))
+        return loss * scale, stats
+
+    return loss_fn
+
+
+def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConfig, tp: int, scale: float = 1.0,
+                  ref_model=None, index: int = 0) -> GroupStats:
+    t0 = time.perf_counter()
+    stats = GroupStats(reward_mean=sum(group.rewards) / len(group.rewards))
+    ref_state_bytes = 0
+    if gcfg.objective == "dpo":
+        chosen, rejected = dpo.chosen_rejected(group.rewards, f"group {index}")
+        logps, _ = score_group(model, group.prompt, group.responses, rcfg, tp)
+        pi = {b: float(lp.sum()) for b, lp in enumerate(logps)}
+        ref = {b: (sum(group.ref_logprobs[b]) if group.ref_logprobs is not None else 0.0) for b in (0, 1)}
+        loss, coeff = dpo.dpo_terms(pi, ref, chosen, rejected, gcfg.beta)
+        fn = dpo.surrogate_loss_fn(coeff)
+    else:
+        adv = advantages(group.rewards, gcfg)
+        if adv is None and gcfg.beta == 0:
+            stats.skipped = True
+            stats.tokens = sum(len(r) for r in group.responses)
+            return stats
+        if gcfg.beta > 0 and group.ref_logprobs is None:
+            if ref_model is None:
+                raise ValueError(f"group {index}: grpo.beta={gcfg.beta} needs ref_logprobs in the rollouts or a "
+                                 "reference model (--ref-hf / --ref-load)")
+            ref_lps, ref_state = score_group(ref_model, group.prompt, group.responses, rcfg, tp)
+            ref_state_bytes = ref_state.nbytes()
+            del ref_state
+            group = RolloutGroup(prompt=group.prompt, responses=group.responses, rewards=group.rewards,
+                                 old_logprobs=group.old_logprobs, ref_logprobs=[lp.tolist() for lp in ref_lps])
+        fn = group_loss_fn(group, gcfg, adv)
+        loss = None
+    sink: list = []
+    results, state, seconds = run_group(model, group.prompt, group.responses, _scaled(fn, scale, sink), rcfg, tp,
+                                        timed=True)
+    stats.loss = loss if loss is not None else sum(x for x, _ in sink)
+    stats.tokens = sum(s["tokens"] for _, s in sink)
+    stats.clipped = sum(s["clipped"] for _, s in sink)
+    stats.kl_sum = sum(s["kl_sum"] for _, s in sink)
+    stats.state_bytes, stats.ref_state_bytes = state.nbytes(), ref_state_bytes
+    stats.logprobs = [r.logprobs.tolist() for r in results]
+    seconds["total"] = time.perf_counter() - t0
+    stats.seconds = seconds
+    return stats

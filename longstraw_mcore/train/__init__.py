@@ -1,0 +1,1 @@
+"""The training loop: DDP, optimizer, checkpoints."""

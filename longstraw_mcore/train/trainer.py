@@ -1,0 +1,174 @@
+"""The Megatron training path for branch replay: DDP grad buffers, finalize_model_grads, Megatron's
+optimizer, steps counted in prompt groups, checkpoints with exact resume.
+
+A step on data-parallel rank d processes `groups_per_step` prompt groups (`group_index(step, d, i)`),
+each scaled by 1/groups_per_step; DDP averages over data parallel, so the step objective is the mean
+over all groups of the step. Branch gradients accumulate into DDP's buffers as each branch's
+backward runs; `finalize_model_grads` reduces them once per step; then `optimizer.step()`.
+Checkpoints: the model as a Megatron distributed checkpoint, the torch optimizer states per rank
+(resume at the same layout, bit-exact), the step and the metrics so far.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from longstraw_mcore.config import ConfigError, RunConfig
+from longstraw_mcore.data.rollouts import RolloutGroup
+from longstraw_mcore.replay.group_step import process_group
+
+
+def group_index(step: int, dp_rank: int, i: int, dp: int, groups_per_step: int, n_groups: int) -> int:
+    """Which rollout group rank `dp_rank` trains on in (1-based) `step`, slot `i`: a fixed order, so a
+    resumed run sees exactly the groups the uninterrupted run would have."""
+    return ((step - 1) * dp * groups_per_step + dp_rank * groups_per_step + i) % n_groups
+
+
+def peak_bytes(device: torch.device) -> int:
+    """CUDA: the allocator's peak; CPU: the process's peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def wrap_ddp(model, cfg: RunConfig, par):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    if cfg.train.distributed_optimizer and cfg.model.dtype == "float64":
+        raise ConfigError("train.distributed_optimizer=true needs float32 or bfloat16 parameters "
+                          "(Megatron's distributed optimizer has no float64 path); model.dtype=float64")
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=cfg.model.dtype == "bfloat16",
+                                            overlap_grad_reduce=False,
+                                            use_distributed_optimizer=cfg.train.distributed_optimizer)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model, pg_collection=par.pgs)
+    model.config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def build_optimizer(ddp, cfg: RunConfig, par):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    t = cfg.train
+    ocfg = OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.lr, weight_decay=t.weight_decay,
+                           adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+                           clip_grad=t.clip_grad, bf16=cfg.model.dtype == "bfloat16",
+                           params_dtype=cfg.model.torch_dtype, use_distributed_optimizer=t.distributed_optimizer)
+    # use_gloo_process_groups=False: the groups come from the explicit collection (gloo on CPU anyway)
+    return get_megatron_optimizer(ocfg, [ddp], use_gloo_process_groups=False, pg_collection=par.pgs)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, par, ddp, optimizer, groups: list[RolloutGroup], ref_model=None, log=print):
+        self.cfg, self.par, self.ddp, self.opt = cfg, par, ddp, optimizer
+        self.groups, self.ref_model, self.log = groups, ref_model, log
+        self.step = 0
+        self.history: list[dict] = []
+
+    def _dp_rank(self) -> int:
+        return self.par.pgs.dp.rank()
+
+    def run_step(self) -> dict:
+        """One optimizer step over this rank's groups; returns the step's metrics (same on every rank)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        cfg, par = self.cfg, self.par
+        self.step += 1
+        t0 = time.perf_counter()
+        self.ddp.zero_grad_buffer()
+        self.opt.zero_grad()
+        gps = cfg.train.groups_per_step
+        acc = torch.zeros(8, dtype=torch.float64)  # loss, reward, tokens, clipped, kl, skipped, groups, state B
+        for i in range(gps):
+            gi = group_index(self.step, self._dp_rank(), i, par.dp, gps, len(self.groups))
+            st = process_group(self.ddp, self.groups[gi], cfg.replay, cfg.grpo, par.tp, scale=1.0 / gps,
+                               ref_model=self.ref_model, index=gi)
+            acc += torch.tensor([st.loss, st.reward_mean, st.tokens, st.clipped, st.kl_sum, float(st.skipped), 1.0,
+                                 st.state_bytes + st.ref_state_bytes], dtype=torch.float64)
+        finalize_model_grads([self.ddp], pg_collection=par.pgs)
+        ok, grad_norm, _ = self.opt.step()
+        if dist.is_initialized() and par.dp > 1:
+            dist.all_reduce(acc, group=par.pgs.dp)
+        n = acc[6].item()
+        metrics = {
+            "step": self.step, "loss": acc[0].item() / n, "reward_mean": acc[1].item() / n,
+            "clip_frac": acc[3].item() / max(acc[2].item(), 1.0), "kl": acc[4].item() / max(acc[2].item(), 1.0),
+            "grad_norm": float(grad_norm) if grad_norm is not None else None, "update_ok": bool(ok),
+            "groups": int(n), "skipped_groups": int(acc[5].item()), "tokens": int(acc[2].item()),
+            "seconds": time.perf_counter() - t0, "peak_bytes": peak_bytes(par.device),
+            "state_bytes": int(acc[7].item() / n),
+        }
+        self.history.append(metrics)
+        return metrics
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def save(self, root: str | Path) -> Path:
+        from longstraw_mcore.checkpoint.dist_ckpt import save_checkpoint
+
+        root = Path(root)
+        dst = root / f"step_{self.step:06d}"
+        save_checkpoint(self.ddp.module, dst, self.cfg.model, self.par.layout(),
+                        extra={"step": self.step, "run_config": asdict(self.cfg)})
+        rank = dist.get_rank()
+        opt_file = dst / f"optimizer_rank{rank:05d}.pt"
+        tmp = opt_file.with_suffix(".tmp")
+        torch.save({"torch_optimizers": [o.state_dict() for o in _torch_optimizers(self.opt)],
+                    "layout": self.par.layout(), "rank": rank}, tmp)
+        os.replace(tmp, opt_file)
+        dist.barrier()
+        if rank == 0:
+            (dst / "metrics.json").write_text(json.dumps(self.history))
+            latest = root / "latest"
+            tmpl = root / ".latest.tmp"
+            tmpl.write_text(dst.name)
+            os.replace(tmpl, latest)
+        dist.barrier()
+        return dst
+
+    def resume(self, root: str | Path) -> bool:
+        """Load the latest checkpoint under `root` if any; False when there is none."""
+        from longstraw_mcore.checkpoint.dist_ckpt import load_checkpoint, read_checkpoint_meta
+
+        latest = Path(root) / "latest"
+        if not latest.is_file():
+            return False
+        src = Path(root) / latest.read_text().strip()
+        _, meta = read_checkpoint_meta(src)
+        if meta.get("layout") != self.par.layout():
+            raise ConfigError(f"--resume: checkpoint {src} was written at layout {meta.get('layout')}, this run is "
+                              f"{self.par.layout()}; optimizer state resumes only at the same layout")
+        load_checkpoint(self.ddp.module, src)
+        blob = torch.load(src / f"optimizer_rank{dist.get_rank():05d}.pt", weights_only=False)
+        self.opt.reload_model_params()  # main (fp32 / sharded) params from the loaded model params
+        with torch.no_grad():
+            for o, sd in zip(_torch_optimizers(self.opt), blob["torch_optimizers"], strict=True):
+                o.load_state_dict(sd)
+        self.step = int(meta["step"])
+        self.history = json.loads((src / "metrics.json").read_text())
+        return True
+
+
+def _torch_optimizers(opt) -> list:
+    """The torch optimizers inside Megatron's wrappers (Chained -> FP32/Distributed -> torch Adam).
+
+    Their state dicts hold everything Adam needs, per-parameter `step` included; saving them per rank
+    resumes bit-exactly at the same layout (Megatron 0.19's own DistributedOptimizer round trip loses
+    `step` without Apex/TE, and Adam's bias correction then divides by zero)."""
+    inner = getattr(opt, "chained_optimizers", [opt])
+    return [o.optimizer for o in inner]
+
+
+def prune_partial(root: str | Path) -> None:
+    """Remove half-written step directories left by a killed run (the `.partial` siblings)."""
+    for p in Path(root).glob(".step_*.partial"):
+        shutil.rmtree(p, ignore_errors=True)
