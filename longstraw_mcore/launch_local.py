@@ -12,6 +12,7 @@ exception is re-raised in the caller with that rank's traceback; a rank that doe
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -45,7 +46,9 @@ def _child(fn, rank: int, world_size: int, port: int, args: Sequence[Any], out: 
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        out.put((rank, "ok", result))
+        # Plain pickle (tensors by value): the queue's own pickler would share tensor storage through
+        # file descriptors that vanish when this process exits before the parent reads them.
+        out.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         out.put((rank, "error", traceback.format_exc()))
     finally:
@@ -96,7 +99,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                 continue
             if status == "error":
                 raise RankFailure(f"rank {rank} of {world_size} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
     finally:
         if len(results) < world_size:
             _kill(procs)

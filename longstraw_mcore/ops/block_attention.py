@@ -75,6 +75,7 @@ class _BlockAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         q_start, k_start, scale, block = ctx.cfg
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
         B, T, Hq, D = q.shape
         S, Hk = k.shape[1], k.shape[2]
         rep = Hq // Hk
@@ -105,12 +106,17 @@ class _BlockAttention(torch.autograd.Function):
             p = torch.where(torch.isinf(lse_h)[..., None], torch.zeros_like(p), p)
             dp = do @ vb.transpose(-1, -2)
             ds = p * (dp - Dv[..., None])
-            dq += (ds @ kb) * scale
+            if need_q:
+                dq += (ds @ kb) * scale
             nb = s1 - s0
-            dk[:, :, s0:s1] = ((ds.transpose(-1, -2) @ qh) * scale).reshape(B, Hk, rep, nb, D).sum(2)
-            dv[:, :, s0:s1] = (p.transpose(-1, -2) @ do).reshape(B, Hk, rep, nb, -1).sum(2)
-        return (dq.transpose(1, 2).to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype),
-                None, None, None, None)
+            # Keys/values that are constants (detached prompt state) get no gradient: skip 2 of 5 matmuls.
+            if need_k:
+                dk[:, :, s0:s1] = ((ds.transpose(-1, -2) @ qh) * scale).reshape(B, Hk, rep, nb, D).sum(2)
+            if need_v:
+                dv[:, :, s0:s1] = (p.transpose(-1, -2) @ do).reshape(B, Hk, rep, nb, -1).sum(2)
+        return (dq.transpose(1, 2).to(q.dtype) if need_q else None,
+                dk.transpose(1, 2).to(k.dtype) if need_k else None,
+                dv.transpose(1, 2).to(v.dtype) if need_v else None, None, None, None, None)
 
 
 def block_attention(q, k, v, q_start: int, k_start: int, scale: float | None = None, block: int = 1024):
