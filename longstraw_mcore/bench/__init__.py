@@ -1,0 +1,1 @@
+"""Measurement helpers shared by the benchmark script and the tests (memory, FLOPs)."""
