@@ -13,7 +13,7 @@ from longstraw_mcore.ops.block_attention import block_attention, merge_attention
 F64 = torch.float64
 
 
-@pytest.mark.parametrize("P,T,block,Hq,Hk", [(0, 5, 4, 2, 2), (13, 6, 4, 6, 2), (40, 9, 7, 4, 1), (5, 1, 64, 4, 2)])
+@pytest.mark.parametrize("P,T,block,Hq,Hk", [(0, 5, 4, 2, 2), (13, 6, 4, 6, 2), (40, 9, 7, 4, 1), (5, 1, 64, 4, 2), (9, 23, 4, 2, 1)])
 def test_prompt_plus_branch_equals_full_attention(P, T, block, Hq, Hk):
     g = torch.Generator().manual_seed(P * 31 + T)
     mk = lambda *s: torch.randn(*s, generator=g, dtype=F64).requires_grad_()  # noqa: E731

@@ -1,0 +1,1 @@
+"""Memory and FLOP models of a group step (the `longstraw plan` planner builds on these)."""

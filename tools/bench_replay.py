@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""Benchmark: branch replay (detached, exact) vs naive full-sequence GRPO on the same model and data.
+
+  python tools/bench_replay.py [--config configs/qwen3.6-tiny.yaml] [--prompt-lens 4096,16384,65536]
+      [--response-lens 256,1024] [--group-sizes 2,8] [--modes detached,exact] [--naive-max-prompt 16384]
+      [--out bench.json] [key=value ...]
+
+Per point: wall seconds per phase, FLOPs measured with torch.utils.flop_counter.FlopCounterMode beside
+the analytic count of this algorithm and the no-recompute minimum (longstraw_mcore/planner/flops.py),
+peak memory (CUDA: allocator peak; CPU: peak resident-set growth sampled every 2 ms, i.e. what the
+process really took from the OS), prompt-state bytes. Naive runs only up to --naive-max-prompt (time,
+not memory, limits it on a CPU; say so in the table). Prints a table and writes JSON. One process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class RssPeak:
+    """Peak RSS growth of this process while active (CPU memory measure for long runs)."""
+
+    def __init__(self, interval=0.002):
+        import psutil
+
+        self.proc, self.interval = psutil.Process(), interval
+
+    def __enter__(self):
+        self.base = self.peak = self.proc.memory_info().rss
+        self.stop = False
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+        return self
+
+    def _run(self):
+        while not self.stop:
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc):
+        self.stop = True
+        self.t.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.bytes = self.peak - self.base
+
+
+def _measure(fn, device):
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    with RssPeak() as rss, FlopCounterMode(display=False) as fc:
+        t = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        secs = time.perf_counter() - t
+    peak = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else rss.bytes
+    return out, secs, fc.get_total_flops(), int(peak)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/qwen3.6-tiny.yaml")
+    p.add_argument("--prompt-lens", default="4096,16384,65536")
+    p.add_argument("--response-lens", default="256,1024")
+    p.add_argument("--group-sizes", default="2,8")
+    p.add_argument("--modes", default="detached,exact")
+    p.add_argument("--naive-max-prompt", type=int, default=16384)
+    p.add_argument("--skip", default="", help="semicolon-separated P:R:G:mode points to skip (time budget)")
+    p.add_argument("--out", default="bench.json")
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+
+    import torch
+
+    from longstraw_mcore.config import load_config
+    from longstraw_mcore.data.rollouts import RolloutGroup
+    from longstraw_mcore.loss.grpo import advantages, group_loss_fn
+    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.parallel.groups import setup_parallel
+    from longstraw_mcore.planner.flops import naive_flops, step_flops
+    from longstraw_mcore.replay.group_step import process_group
+    from longstraw_mcore.replay.reference import full_sequence_branches
+
+    cfg = load_config(a.config, a.overrides)
+    par = setup_parallel(cfg)
+    m = cfg.model
+    model = build_model(m, par, cfg.resolved_device())
+    skip = set(filter(None, a.skip.split(";")))
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for P in map(int, a.prompt_lens.split(",")):
+        prompt = torch.randint(0, m.vocab_size, (P,), generator=gen).tolist()
+        for R in map(int, a.response_lens.split(",")):
+            for G in map(int, a.group_sizes.split(",")):
+                responses = [torch.randint(0, m.vocab_size, (R,), generator=gen).tolist() for _ in range(G)]
+                group = RolloutGroup(prompt=prompt, responses=responses, rewards=[float(i % 3) for i in range(G)])
+                naive = None
+                for mode in a.modes.split(","):
+                    if f"{P}:{R}:{G}:{mode}" in skip:
+                        continue
+                    rcfg = type(cfg.replay)(**{**cfg.replay.__dict__, "mode": mode})
+                    model.zero_grad(set_to_none=True)
+                    st, secs, flops, peak = _measure(lambda: process_group(model, group, rcfg, cfg.grpo, par.tp),
+                                                     par.device)
+                    an = step_flops(m, P, [R] * G, mode, rcfg.chunk_len, par.tp)
+                    if naive is None and P <= a.naive_max_prompt:
+                        fn = group_loss_fn(group, cfg.grpo, advantages(group.rewards, cfg.grpo))
+                        model.zero_grad(set_to_none=True)
+                        _, nsecs, nflops, npeak = _measure(
+                            lambda: full_sequence_branches(model, prompt, responses, fn, rcfg.logprob_chunk),
+                            par.device)
+                        naive = {"seconds": nsecs, "flops": nflops, "peak_bytes": npeak}
+                    nan = naive_flops(m, P, [R] * G, par.tp)
+                    row = {"P": P, "R": R, "G": G, "mode": mode, "seconds": secs, "phase_seconds": st.seconds,
+                           "tokens_per_s": {"capture": (P - 1) / max(st.seconds.get("capture", 1e-9), 1e-9),
+                                            "replay": G * R / max(st.seconds.get("replay", 1e-9), 1e-9)},
+                           "flops_measured": flops, "flops_algorithm": an["algorithm"], "flops_minimum": an["minimum"],
+                           "measured_over_minimum": flops / an["minimum"]["total"],
+                           "measured_over_algorithm": flops / an["algorithm"]["total"],
+                           "peak_bytes": peak, "state_bytes": st.state_bytes, "naive": naive,
+                           "naive_flops_analytic": nan,
+                           "analytic_ratio_naive_over_replay": nan["minimum"] / an["minimum"]["total"],
+                           "measured_ratio_naive_over_replay": (naive["flops"] / flops) if naive else None}
+                    rows.append(row)
+                    print(_fmt(row), flush=True)
+                    with open(a.out, "w") as f:
+                        json.dump({"config": a.config, "device": str(par.device), "rows": rows}, f, indent=1)
+    print(f"wrote {a.out}")
+    return 0
+
+
+def _fmt(r) -> str:
+    nv = r["naive"]
+    naive = (f"naive {nv['flops'] / 1e12:.3f} TF {nv['seconds']:.1f}s peak {nv['peak_bytes'] / 2**20:.0f}MiB, "
+             f"ratio meas {r['measured_ratio_naive_over_replay']:.2f}") if nv else "naive skipped (time)"
+    return (f"P={r['P']:>6} R={r['R']:>5} G={r['G']} {r['mode']:>8}: {r['seconds']:7.1f}s "
+            f"{r['flops_measured'] / 1e12:7.3f} TF (algo {r['measured_over_algorithm']:.3f}x, "
+            f"min {r['measured_over_minimum']:.3f}x) peak {r['peak_bytes'] / 2**20:7.1f}MiB "
+            f"state {r['state_bytes'] / 2**20:.2f}MiB | {naive}, analytic ratio {r['analytic_ratio_naive_over_replay']:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
