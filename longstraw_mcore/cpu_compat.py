@@ -43,25 +43,35 @@ class _CudaToCpuMode(TorchFunctionMode):
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        name = getattr(func, "__name__", "")
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-            kwargs["device"] = torch.device("cpu")
-        if kwargs.get("pin_memory"):
-            kwargs["pin_memory"] = False
-        if name == "cuda":  # Tensor.cuda(...) -> stay on CPU
+        # Hot path (every torch call in the process): no allocation unless something must change.
+        if kwargs:
+            dev = kwargs.get("device")
+            if (dev is not None and _is_cuda_device(dev)) or kwargs.get("pin_memory"):
+                kwargs = dict(kwargs)
+                if dev is not None and _is_cuda_device(dev):
+                    kwargs["device"] = torch.device("cpu")
+                if kwargs.get("pin_memory"):
+                    kwargs["pin_memory"] = False
+        else:
+            kwargs = {}
+        special = _SPECIAL.get(func)
+        if special is None:
+            return func(*args, **kwargs)
+        if special == "identity":  # Tensor.cuda(...), Tensor.pin_memory(): stay on CPU
             return args[0]
-        if name == "pin_memory":
-            return args[0]
-        if name == "to":
+        if special == "to":
             args = tuple(torch.device("cpu") if (i > 0 and _is_cuda_device(a) and not isinstance(a, int)) else a
                          for i, a in enumerate(args))
-        if name == "type" and len(args) == 1 and not kwargs:
-            out = func(*args)
-            if isinstance(out, str) and out.startswith("torch.") and ".cuda." not in out:
-                return out.replace("torch.", "torch.cuda.", 1)
-            return out
-        return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        # Tensor.type() with no arguments
+        out = func(*args, **kwargs)
+        if len(args) == 1 and not kwargs and isinstance(out, str) and out.startswith("torch.") and ".cuda." not in out:
+            return out.replace("torch.", "torch.cuda.", 1)
+        return out
+
+
+_SPECIAL = {torch.Tensor.cuda: "identity", torch.Tensor.pin_memory: "identity", torch.Tensor.to: "to",
+            torch.Tensor.type: "type"}
 
 
 class _NoOpStream:

@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--group-sizes", default="2,8")
     p.add_argument("--modes", default="detached,exact")
     p.add_argument("--naive-max-prompt", type=int, default=16384)
+    p.add_argument("--naive-max-group", type=int, default=8, help="run naive only for G up to this (time)")
     p.add_argument("--skip", default="", help="semicolon-separated P:R:G:mode points to skip (time budget)")
     p.add_argument("--out", default="bench.json")
     p.add_argument("overrides", nargs="*")
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
                     st, secs, flops, peak = _measure(lambda: process_group(model, group, rcfg, cfg.grpo, par.tp),
                                                      par.device)
                     an = step_flops(m, P, [R] * G, mode, rcfg.chunk_len, par.tp)
-                    if naive is None and P <= a.naive_max_prompt:
+                    if naive is None and P <= a.naive_max_prompt and G <= a.naive_max_group:
                         fn = group_loss_fn(group, cfg.grpo, advantages(group.rewards, cfg.grpo))
                         model.zero_grad(set_to_none=True)
                         _, nsecs, nflops, npeak = _measure(

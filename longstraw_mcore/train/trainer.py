@@ -95,10 +95,13 @@ class Trainer:
             acc += torch.tensor([st.loss, st.reward_mean, st.tokens, st.clipped, st.kl_sum, float(st.skipped), 1.0,
                                  st.state_bytes + st.ref_state_bytes], dtype=torch.float64)
         finalize_model_grads([self.ddp], pg_collection=par.pgs)
-        ok, grad_norm, _ = self.opt.step()
         if dist.is_initialized() and par.dp > 1:
             dist.all_reduce(acc, group=par.pgs.dp)
         n = acc[6].item()
+        if acc[5].item() == n:  # every group of the step had zero advantage: no gradient, no update
+            ok, grad_norm = False, 0.0  # (Adam's momentum would still move the weights on zero grads)
+        else:
+            ok, grad_norm, _ = self.opt.step()
         metrics = {
             "step": self.step, "loss": acc[0].item() / n, "reward_mean": acc[1].item() / n,
             "clip_frac": acc[3].item() / max(acc[2].item(), 1.0), "kl": acc[4].item() / max(acc[2].item(), 1.0),

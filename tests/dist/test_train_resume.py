@@ -56,7 +56,9 @@ def test_train_20_steps_and_exact_resume(tmp_path):
     a = _metrics(full)
     assert [m["step"] for m in a] == list(range(1, 21))
     assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in a)
-    assert sum(m["skipped_groups"] for m in a) > 0 and all(m["update_ok"] for m in a)
+    assert sum(m["skipped_groups"] for m in a) > 0
+    # a step whose groups all had zero advantage makes no update; every other step does
+    assert all(m["update_ok"] == (m["skipped_groups"] < m["groups"]) for m in a)
 
     ckpt, part = tmp_path / "ckpt", tmp_path / "part.jsonl"
     p = subprocess.Popen(_cmd("--rollouts", str(rollouts), "--steps", "20", "--save", str(ckpt),
