@@ -10,6 +10,7 @@ measures. Two counts per phase:
 - `minimum`: the same model math with nothing recomputed and only visible (query, key) pairs:
   forward once, backward = the gradients that are needed (constant prompt keys get none in
   detached mode).
+- `model_3x`: the conventional count, forward once and backward = 2 x forward for every matmul.
 Legend: P prompt length, R response length, G group size, C capture chunk, tp tensor parallel size.
 """
 
@@ -121,9 +122,26 @@ def step_flops(m: ModelConfig, P: int, lengths: list[int], mode: str, chunk_len:
                 units = 5 if kind == "algorithm" else 4
                 total += fwd + 2 * c.linear(T) + c.attn(pp + own, units) + c.gdn_bwd(T)
             out[kind]["prompt_backward"] = total
+    # The conventional model count: forward once, backward = 2 x forward for every matmul (attention
+    # included, whether or not its keys need a gradient).
+    conv = {"capture": out["minimum"]["capture"]}
+    fwd_only = step_flops_forward(c, P, lengths, blk)
+    conv["replay"] = 3 * fwd_only
+    if exact:
+        conv["prompt_backward"] = 3 * out["minimum"]["capture"]
+    out["model_3x"] = conv
     for kind in out:
         out[kind]["total"] = sum(out[kind].values())
     return out
+
+
+def step_flops_forward(c: "_Counter", P: int, lengths: list[int], blk: int) -> float:
+    """Forward matmul FLOPs of all branches (visible pairs only), output layer included."""
+    total = 0.0
+    for R in lengths:
+        pairs = (_attn_pairs(R, P - 1, P - 1, 0, blk, False) if P > 1 else 0) + _attn_pairs(R, P - 1, R, P - 1, blk, False)
+        total += c.linear(R) + c.attn(pairs, 2) + c.gdn_fwd(R) + 2.0 * c.w["output"] * R
+    return total
 
 
 def naive_flops(m: ModelConfig, P: int, lengths: list[int], tp: int = 1) -> dict:
