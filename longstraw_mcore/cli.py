@@ -218,7 +218,8 @@ def cmd_validate(args) -> int:
     results, seconds = {}, {}
     for i in mine:
         st = process_group(ddp, groups[i], cfg.replay, cfg.grpo, par.tp, scale=par.dp / n, ref_model=ref, index=i)
-        results[i] = {"loss": st.loss, "logprobs": st.logprobs, "skipped": st.skipped, "state_bytes": st.state_bytes}
+        results[i] = {"loss": st.loss, "logprobs": st.logprobs, "skipped": st.skipped, "state_bytes": st.state_bytes,
+                      "ref_state_bytes": st.ref_state_bytes}
         for k, v in (st.seconds or {}).items():
             seconds[k] = seconds.get(k, 0.0) + v
         _rank0_print(f"[validate] group {i}: loss {st.loss:.6g}, {st.tokens} response tokens, "
@@ -244,6 +245,7 @@ def cmd_validate(args) -> int:
             "grad_norm": gn, "mode": cfg.replay.mode, "objective": cfg.grpo.objective,
             "layout": par.layout(), "peak_bytes_per_rank": [p for _, _, p in gathered],
             "state_bytes_per_group": [merged[i]["state_bytes"] for i in range(n)],
+            "ref_state_bytes_per_group": [merged[i]["ref_state_bytes"] for i in range(n)],
             "seconds": {k: max(s.get(k, 0.0) for _, s, _ in gathered) for k in gathered[0][1]},
             "config": dataclasses.asdict(cfg),
         }

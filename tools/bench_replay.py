@@ -7,8 +7,8 @@
 
 Per point: wall seconds per phase, FLOPs measured with torch.utils.flop_counter.FlopCounterMode beside
 the analytic count of this algorithm and the no-recompute minimum (longstraw_mcore/planner/flops.py),
-peak memory (CUDA: allocator peak; CPU: peak resident-set growth sampled every 2 ms, i.e. what the
-process really took from the OS), prompt-state bytes. Naive runs only up to --naive-max-prompt (time,
+peak memory (CUDA: allocator peak; CPU: peak resident-set growth sampled every 2 ms, with glibc
+returning freed tensor blocks to the OS, i.e. what the process really took), prompt-state bytes. Naive runs only up to --naive-max-prompt (time,
 not memory, limits it on a CPU; say so in the table). Prints a table and writes JSON. One process.
 """
 
@@ -24,8 +24,25 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _libc():
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+if _LIBC is not None:
+    # M_MMAP_THRESHOLD = 128 KiB, fixed: every tensor-sized block is its own mapping, returned to the OS
+    # when freed, so resident memory follows the live tensors instead of glibc's retained heap.
+    _LIBC.mallopt(-3, 128 * 1024)
+
+
 class RssPeak:
-    """Peak RSS growth of this process while active (CPU memory measure for long runs)."""
+    """Peak resident-set growth of this process while active, sampled every `interval` seconds (the
+    CPU memory measure for runs too long for the profiler's memory timeline)."""
 
     def __init__(self, interval=0.002):
         import psutil
@@ -33,6 +50,11 @@ class RssPeak:
         self.proc, self.interval = psutil.Process(), interval
 
     def __enter__(self):
+        import gc
+
+        gc.collect()
+        if _LIBC is not None:
+            _LIBC.malloc_trim(0)
         self.base = self.peak = self.proc.memory_info().rss
         self.stop = False
         self.t = threading.Thread(target=self._run, daemon=True)
@@ -80,8 +102,12 @@ def main(argv=None) -> int:
     p.add_argument("--naive-max-group", type=int, default=8, help="run naive only for G up to this (time)")
     p.add_argument("--skip", default="", help="semicolon-separated P:R:G:mode points to skip (time budget)")
     p.add_argument("--out", default="bench.json")
+    p.add_argument("--table-from", default=None, help="print the table of an earlier JSON (analytic columns "
+                   "recomputed with the current FLOP model) and exit")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
+    if a.table_from:
+        return print_table(a.table_from, a.config, a.overrides)
 
     import torch
 
@@ -139,6 +165,29 @@ def main(argv=None) -> int:
                     with open(a.out, "w") as f:
                         json.dump({"config": a.config, "device": str(par.device), "rows": rows}, f, indent=1)
     print(f"wrote {a.out}")
+    return 0
+
+
+def print_table(path: str, config: str, overrides) -> int:
+    from longstraw_mcore.config import load_config
+    from longstraw_mcore.planner.flops import naive_flops, step_flops
+
+    m = load_config(config, overrides).model
+    data = json.load(open(path))
+    print("| P | R | G | mode | s | capture tok/s | replay tok/s | measured TF | /algorithm | /minimum | /3x model "
+          "| peak MiB | state MiB | naive TF (s) | naive/replay measured | naive/replay analytic |")
+    print("|" + "---|" * 16)
+    for r in data["rows"]:
+        an = step_flops(m, r["P"], [r["R"]] * r["G"], r["mode"], 4096)
+        nv = naive_flops(m, r["P"], [r["R"]] * r["G"])
+        f = r["flops_measured"]
+        naive = r["naive"]
+        print(f"| {r['P']} | {r['R']} | {r['G']} | {r['mode']} | {r['seconds']:.1f} | "
+              f"{r['tokens_per_s']['capture']:,.0f} | {r['tokens_per_s']['replay']:,.0f} | {f / 1e12:.4f} | "
+              f"{f / an['algorithm']['total']:.3f} | {f / an['minimum']['total']:.3f} | {f / an['model_3x']['total']:.3f} | "
+              f"{r['peak_bytes'] / 2**20:.1f} | {r['state_bytes'] / 2**20:.2f} | "
+              + (f"{naive['flops'] / 1e12:.4f} ({naive['seconds']:.0f}) | {naive['flops'] / f:.2f}" if naive else "skipped | -")
+              + f" | {nv['minimum'] / an['minimum']['total']:.2f} |")
     return 0
 
 

@@ -112,6 +112,17 @@ def step_flops(m: ModelConfig, P: int, lengths: list[int], mode: str, chunk_len:
             total += fwd + bwd
         out[kind]["replay"] = total
     if exact:  # recompute each chunk with autograd, backward with every key needing a gradient
+        # Autograd back-propagates only into what some seeded state depends on: in the last layer, its
+        # K/V (attention) or its states (GDN), not the rest of that layer (q/o or z/out projections,
+        # the attention core, the MLP).
+        last = m.layer_types[-1]
+        H, D = m.hidden_size, m.head_dim
+        if last == "full_attention":
+            pruned_w = (H * 2 * m.num_attention_heads * D + m.num_attention_heads * D * H + 3 * H * m.intermediate_size) // tp
+        else:
+            vd = m.linear_num_value_heads * m.linear_value_head_dim
+            pruned_w = (2 * H * vd + 3 * H * m.intermediate_size) // tp
+        attn_bwd = c.n_attn - (1 if last == "full_attention" else 0)
         for kind, blocked in (("algorithm", True), ("minimum", False)):
             total = 0.0
             for s, e in chunks:
@@ -120,7 +131,9 @@ def step_flops(m: ModelConfig, P: int, lengths: list[int], mode: str, chunk_len:
                 own = _attn_pairs(T, s, T, s, blk, blocked)
                 fwd = c.linear(T) + c.attn(pp + own, 2) + c.gdn_fwd(T)
                 units = 5 if kind == "algorithm" else 4
-                total += fwd + 2 * c.linear(T) + c.attn(pp + own, units) + c.gdn_bwd(T)
+                bwd = 2 * (c.linear(T) - 2.0 * pruned_w * T) + attn_bwd * 2.0 * c.hq * c.d * (pp + own) * units \
+                    + c.gdn_bwd(T)
+                total += fwd + bwd
             out[kind]["prompt_backward"] = total
     # The conventional model count: forward once, backward = 2 x forward for every matmul (attention
     # included, whether or not its keys need a gradient).

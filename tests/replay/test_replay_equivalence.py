@@ -185,3 +185,44 @@ def test_dpo_exact_equals_full_sequence_dpo():
           f"detached worst grad {out['detached']['grad']:.1e} (differs: truncated)")
     assert out["exact"]["loss"] <= 1e-12 and out["exact"]["grad"] <= 1e-10
     assert out["detached"]["loss"] <= 1e-12 and out["detached"]["grad"] > 1e-3
+
+
+def _ref_model_worker(rank, world_size):
+    from hf_reference import build_hf_model, hf_state, tiny_model_config
+
+    from longstraw_mcore.checkpoint.full_state import gather_full, load_full
+    from longstraw_mcore.checkpoint.qwen3_5 import hf_to_mcore
+    from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig
+    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.parallel.groups import setup_parallel
+    from longstraw_mcore.replay.group_step import process_group
+    from longstraw_mcore.replay.reference import full_sequence_branches
+
+    m = tiny_model_config()
+    par = setup_parallel(RunConfig(model=m, parallel=ParallelConfig(), device="cpu"))
+    policy, ref = build_model(m, par, "cpu"), build_model(m, par, "cpu")
+    load_full(policy, hf_to_mcore(hf_state(build_hf_model(m, seed=12)), m))
+    load_full(ref, hf_to_mcore(hf_state(build_hf_model(m, seed=13)), m))
+    group = make_group(m, 15, [4, 2, 5], seed=41)
+    group.ref_logprobs = None
+    gcfg, rcfg = GRPOConfig(beta=0.3), ReplayConfig(mode="exact", chunk_len=4)
+    policy.zero_grad(set_to_none=True)
+    st = process_group(policy, group, rcfg, gcfg, tp=1, ref_model=ref)
+    g_ref_model = gather_full(policy, grads=True)
+    # the same group with ref_logprobs scored independently (full sequence, plain forward)
+    group.ref_logprobs = [lp.tolist() for lp in full_sequence_branches(ref, group.prompt, group.responses, None)]
+    policy.zero_grad(set_to_none=True)
+    st2 = process_group(policy, group, rcfg, gcfg, tp=1)
+    g_file = gather_full(policy, grads=True)
+    return dict(grad=max(rel(g_ref_model[k], g_file[k]) for k in g_file), loss=abs(st.loss - st2.loss),
+                kl=st.kl_sum, ref_state_bytes=st.ref_state_bytes, ref_state_bytes_file=st2.ref_state_bytes)
+
+
+def test_reference_model_scoring_equals_given_ref_logprobs():
+    """beta > 0 without ref_logprobs: the reference policy is scored by a no-grad replay from its own
+    captured state; the result equals supplying its full-sequence log-probs in the rollouts."""
+    r = run_ranks(_ref_model_worker, 1, timeout_s=600)[0]
+    print(f"reference-model scoring vs given ref_logprobs: worst grad {r['grad']:.1e}, KL sum {r['kl']:.4f}, "
+          f"reference state {r['ref_state_bytes']} B")
+    assert r["grad"] <= 1e-10 and r["loss"] <= 1e-12
+    assert r["kl"] > 1e-3 and r["ref_state_bytes"] > 0 and r["ref_state_bytes_file"] == 0
