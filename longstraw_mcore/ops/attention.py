@@ -1,4 +1,7 @@
-"""Causal GQA attention against cached keys/values, and partial RoPE, in plain torch.
+"""Partial RoPE, and the plain-torch reference twin of blockwise attention (block_attention.py).
+
+`cached_causal_attention` materialises the full score matrix against concatenated keys: simple and
+obviously right, it is what the blockwise kernel is tested against (tests/unit/test_block_attention.py).
 
 Legend: B batch, T new tokens, P cached (earlier) positions, Hq query heads, Hk key/value heads,
 D head dim. New token i sits at absolute position P + i and attends cached positions 0..P-1 and new
