@@ -57,22 +57,11 @@ def cmd_smoke(args) -> int:
     t0 = time.perf_counter()
     par = setup_parallel(cfg)
     from longstraw_mcore.loss.logprobs import vocab_parallel_logprobs
-    from longstraw_mcore.models.qwen3_5 import build_model
     from longstraw_mcore.pipeline import forward_backward
     from longstraw_mcore.training_utils import grad_norm, count_parameters
 
     m = cfg.model
-    model = build_model(m, par, cfg.resolved_device())
-    if args.hf:
-        from longstraw_mcore.checkpoint.convert import load_hf_into_model
-
-        skipped = load_hf_into_model(model, args.hf, expect=m)
-        _rank0_print(f"[smoke] loaded {args.hf} (converted in memory; skipped {len(skipped)} non-decoder tensors)")
-    elif args.load:
-        from longstraw_mcore.checkpoint.dist_ckpt import load_checkpoint
-
-        load_checkpoint(model, args.load)
-        _rank0_print(f"[smoke] loaded Megatron checkpoint {args.load}")
+    model = _build_and_load(cfg, par, args.hf, args.load, "smoke")
     n_params = count_parameters(model, par)
     _rank0_print(f"[smoke] {m.family}: {m.num_layers} layers ({m.layer_types.count('linear_attention')} Gated "
                  f"DeltaNet + {m.layer_types.count('full_attention')} gated attention), hidden {m.hidden_size}, "

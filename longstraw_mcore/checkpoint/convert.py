@@ -14,7 +14,7 @@ from pathlib import Path
 from longstraw_mcore.checkpoint.dist_ckpt import load_full_tensors, read_checkpoint_meta, save_full_tensors
 from longstraw_mcore.checkpoint.full_state import load_full
 from longstraw_mcore.checkpoint.hf import read_config, read_tensors, write_hf
-from longstraw_mcore.checkpoint.qwen3_5 import CheckpointError, LazyCanonical, hf_to_mcore, mcore_to_hf
+from longstraw_mcore.checkpoint.qwen3_5 import CheckpointError, LazyCanonical, hf_shapes, hf_to_mcore, mcore_to_hf
 from longstraw_mcore.config import ConfigError, ModelConfig, ParallelConfig, validate_layout
 
 
@@ -29,7 +29,7 @@ def hf_to_mcore_dir(src: str | Path, dst: str | Path, tp: int = 1, pp: int = 1, 
     check_target_layout(m, tp, pp)
     tensors, skipped = read_tensors(src)
     canonical = hf_to_mcore(tensors, m, where=str(src))
-    unused = sorted(set(tensors) - set(_hf_names(m)))
+    unused = sorted(set(tensors) - set(hf_shapes(m)))
     if unused:
         raise CheckpointError(f"{src}: tensor(s) {unused[:5]} are not part of a {m.family} text decoder of this "
                               "config (wrong config.json?)")
@@ -86,8 +86,3 @@ def _check_same_dims(m: ModelConfig, expect: ModelConfig, src) -> None:
         raise CheckpointError(f"{src}: checkpoint config differs from the run config: "
                               + ", ".join(f"{k}={v[0]} (config says {v[1]})" for k, v in diff.items()))
 
-
-def _hf_names(m: ModelConfig):
-    from longstraw_mcore.checkpoint.qwen3_5 import hf_shapes
-
-    return hf_shapes(m)

@@ -43,6 +43,10 @@ def _ids(value, where: str, vocab_size: int) -> list[int]:
     return value
 
 
+def _finite_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def _floats_per_response(value, where: str, responses: list[list[int]]) -> list[list[float]]:
     if not isinstance(value, list) or len(value) != len(responses):
         n = len(value) if isinstance(value, list) else type(value).__name__
@@ -52,7 +56,7 @@ def _floats_per_response(value, where: str, responses: list[list[int]]) -> list[
             n = len(lp) if isinstance(lp, list) else type(lp).__name__
             raise RolloutError(f"{where}[{b}]: length {n} != response length {len(resp)}")
         for t, x in enumerate(lp):
-            if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
+            if not _finite_number(x):
                 raise RolloutError(f"{where}[{b}][{t}]={x!r}: log-probs must be finite numbers")
     return value
 
@@ -82,7 +86,7 @@ def parse_group(obj: dict, index: int, vocab_size: int) -> RolloutGroup:
         n = len(rewards) if isinstance(rewards, list) else type(rewards).__name__
         raise RolloutError(f"{g}: rewards count {n} != responses count {len(responses)}")
     for b, r in enumerate(rewards):
-        if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r):
+        if not _finite_number(r):
             raise RolloutError(f"{g}: rewards[{b}]={r!r}: rewards must be finite numbers")
     old = obj.get("old_logprobs")
     ref = obj.get("ref_logprobs")
