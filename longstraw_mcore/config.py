@@ -152,9 +152,17 @@ class ReplayConfig:
     """Tokens per vocab-parallel log-softmax chunk."""
     batch_branches: bool = False
     """Replay all branches of a group as one right-padded batch instead of one at a time."""
+    attn_probs_budget_mib: float = 0.0
+    """A replayed branch keeps its attention probabilities over the prompt for the backward (no score
+    recompute: the FLOP minimum) when they fit in this many MiB per rank, summed over this rank's
+    attention layers (layers x local heads x branch tokens x prompt tokens x 4 B, 8 B in float64);
+    otherwise, and at 0 (default), the backward recomputes them (memory O(branch x block))."""
 
     def __post_init__(self):
         _check_choice("replay.mode", self.mode, ("detached", "exact"))
+        if not self.attn_probs_budget_mib >= 0:
+            raise ConfigError(f"replay.attn_probs_budget_mib={self.attn_probs_budget_mib}: must be >= 0 "
+                              "(0 = always recompute)")
         if self.chunk_len < 1 or self.logprob_chunk < 1:
             raise ConfigError(f"replay.chunk_len={self.chunk_len}, replay.logprob_chunk={self.logprob_chunk}: "
                               "must be >= 1")

@@ -100,10 +100,13 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="detached,exact")
     p.add_argument("--naive-max-prompt", type=int, default=16384)
     p.add_argument("--naive-max-group", type=int, default=8, help="run naive only for G up to this (time)")
+    p.add_argument("--naive-copies", type=int, default=0,
+                   help="run naive on only this many of the G copies (0 = all) and scale its FLOPs and seconds by "
+                        "G / copies: the copies are identical work (equal R), run one after another")
     p.add_argument("--skip", default="", help="semicolon-separated P:R:G:mode points to skip (time budget)")
     p.add_argument("--out", default="bench.json")
-    p.add_argument("--table-from", default=None, help="print the table of an earlier JSON (analytic columns "
-                   "recomputed with the current FLOP model) and exit")
+    p.add_argument("--table-from", default=None, help="print the table of earlier JSON files (comma-separated; "
+                   "analytic columns recomputed with the current FLOP model) and exit")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     if a.table_from:
@@ -117,6 +120,7 @@ def main(argv=None) -> int:
     from longstraw_mcore.models.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.planner.flops import naive_flops, step_flops
+    from longstraw_mcore.replay.engine import stores_attention_probs
     from longstraw_mcore.replay.group_step import process_group
     from longstraw_mcore.replay.reference import full_sequence_branches
 
@@ -141,16 +145,21 @@ def main(argv=None) -> int:
                     model.zero_grad(set_to_none=True)
                     st, secs, flops, peak = _measure(lambda: process_group(model, group, rcfg, cfg.grpo, par.tp),
                                                      par.device)
-                    an = step_flops(m, P, [R] * G, mode, rcfg.chunk_len, par.tp)
+                    store = stores_attention_probs(model, P - 1, rcfg, G if rcfg.batch_branches else 1, R)
+                    an = step_flops(m, P, [R] * G, mode, rcfg.chunk_len, par.tp, store_probs=store)
                     if naive is None and P <= a.naive_max_prompt and G <= a.naive_max_group:
                         fn = group_loss_fn(group, cfg.grpo, advantages(group.rewards, cfg.grpo))
+                        copies = a.naive_copies if 0 < a.naive_copies < G else G
                         model.zero_grad(set_to_none=True)
                         _, nsecs, nflops, npeak = _measure(
-                            lambda: full_sequence_branches(model, prompt, responses, fn, rcfg.logprob_chunk),
+                            lambda: full_sequence_branches(model, prompt, responses[:copies], fn, rcfg.logprob_chunk),
                             par.device)
-                        naive = {"seconds": nsecs, "flops": nflops, "peak_bytes": npeak}
+                        naive = {"seconds": nsecs * G / copies, "flops": nflops * G // copies, "peak_bytes": npeak,
+                                 "copies_run": copies, "measured_flops_of_copies_run": nflops}
                     nan = naive_flops(m, P, [R] * G, par.tp)
-                    row = {"P": P, "R": R, "G": G, "mode": mode, "seconds": secs, "phase_seconds": st.seconds,
+                    row = {"P": P, "R": R, "G": G, "mode": mode, "chunk_len": rcfg.chunk_len,
+                           "attn_probs_budget_mib": rcfg.attn_probs_budget_mib, "store_probs": store,
+                           "seconds": secs, "phase_seconds": st.seconds,
                            "tokens_per_s": {"capture": (P - 1) / max(st.seconds.get("capture", 1e-9), 1e-9),
                                             "replay": G * R / max(st.seconds.get("replay", 1e-9), 1e-9)},
                            "flops_measured": flops, "flops_algorithm": an["algorithm"], "flops_minimum": an["minimum"],
@@ -173,20 +182,24 @@ def print_table(path: str, config: str, overrides) -> int:
     from longstraw_mcore.planner.flops import naive_flops, step_flops
 
     m = load_config(config, overrides).model
-    data = json.load(open(path))
-    print("| P | R | G | mode | s | capture tok/s | replay tok/s | measured TF | /algorithm | /minimum | /3x model "
-          "| peak MiB | state MiB | naive TF (s) | naive/replay measured | naive/replay analytic |")
-    print("|" + "---|" * 16)
-    for r in data["rows"]:
-        an = step_flops(m, r["P"], [r["R"]] * r["G"], r["mode"], 4096)
+    rows = [r for p in path.split(",") for r in json.load(open(p))["rows"]]
+    print("| P | R | G | mode | attention bwd | s | capture tok/s | replay tok/s | measured TF | /algorithm | /minimum "
+          "| /3x model | peak MiB | state MiB | naive TF (s) | naive/replay measured | naive/replay analytic |")
+    print("|" + "---|" * 17)
+    for r in rows:
+        store = r.get("store_probs", False)
+        an = step_flops(m, r["P"], [r["R"]] * r["G"], r["mode"], r.get("chunk_len", 4096), store_probs=store)
         nv = naive_flops(m, r["P"], [r["R"]] * r["G"])
         f = r["flops_measured"]
         naive = r["naive"]
-        print(f"| {r['P']} | {r['R']} | {r['G']} | {r['mode']} | {r['seconds']:.1f} | "
+        copies = naive.get("copies_run", r["G"]) if naive else r["G"]
+        scaled = "" if copies == r["G"] else f"; {copies} of {r['G']} copies run, x{r['G'] // copies}"
+        print(f"| {r['P']} | {r['R']} | {r['G']} | {r['mode']} | {'stored' if store else 'recompute'} | {r['seconds']:.1f} | "
               f"{r['tokens_per_s']['capture']:,.0f} | {r['tokens_per_s']['replay']:,.0f} | {f / 1e12:.4f} | "
               f"{f / an['algorithm']['total']:.3f} | {f / an['minimum']['total']:.3f} | {f / an['model_3x']['total']:.3f} | "
               f"{r['peak_bytes'] / 2**20:.1f} | {r['state_bytes'] / 2**20:.2f} | "
-              + (f"{naive['flops'] / 1e12:.4f} ({naive['seconds']:.0f}) | {naive['flops'] / f:.2f}" if naive else "skipped | -")
+              + (f"{naive['flops'] / 1e12:.4f} ({naive['seconds']:.0f}{scaled}) | {naive['flops'] / f:.2f}"
+                 if naive else "skipped | -")
               + f" | {nv['minimum'] / an['minimum']['total']:.2f} |")
     return 0
 
@@ -196,7 +209,8 @@ def _fmt(r) -> str:
     naive = (f"naive {nv['flops'] / 1e12:.3f} TF {nv['seconds']:.1f}s peak {nv['peak_bytes'] / 2**20:.0f}MiB, "
              f"ratio meas {r['measured_ratio_naive_over_replay']:.2f}") if nv else "naive skipped (time)"
     return (f"P={r['P']:>6} R={r['R']:>5} G={r['G']} {r['mode']:>8}: {r['seconds']:7.1f}s "
-            f"{r['flops_measured'] / 1e12:7.3f} TF (algo {r['measured_over_algorithm']:.3f}x, "
+            f"{'stored' if r['store_probs'] else 'recompute'} {r['flops_measured'] / 1e12:7.3f} TF "
+            f"(algo {r['measured_over_algorithm']:.3f}x, "
             f"min {r['measured_over_minimum']:.3f}x) peak {r['peak_bytes'] / 2**20:7.1f}MiB "
             f"state {r['state_bytes'] / 2**20:.2f}MiB | {naive}, analytic ratio {r['analytic_ratio_naive_over_replay']:.2f}")
 

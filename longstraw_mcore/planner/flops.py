@@ -4,7 +4,8 @@ Counts matrix-multiply FLOPs (2*M*N*K), the quantity `torch.utils.flop_counter.F
 measures. Two counts per phase:
 - `algorithm`: what this implementation does: attention over key blocks with query blocking (whole
   blocks where any key is visible), recompute of the scores in the attention backward
-  (FlashAttention-2 style, which keeps memory O(queries x block)), log-prob chunks recomputed in
+  (FlashAttention-2 style, which keeps memory O(queries x block); a branch that stores its
+  probabilities over the prompt skips that recompute), log-prob chunks recomputed in
   backward (activation checkpointing), the chunked gated delta rule's matmuls, and the depthwise
   conv as FlopCounterMode counts it (its input gradient is counted like a dense conv).
 - `minimum`: the same model math with nothing recomputed and only visible (query, key) pairs:
@@ -69,18 +70,31 @@ class _Counter:
         conv = 2 * self.ch * m.linear_conv_kernel_dim * tokens
         return self.n_gdn * (n * per_chunk + conv)
 
-    def gdn_bwd(self, tokens: int) -> float:
-        m = self.m
+    def gdn_bwd(self, tokens: int, init_grad: bool, final_grad: bool) -> float:
+        """Backward: both operands of every chunk matmul, plus the triangular solves' matmul
+        gradients (dA = -dX X^T); minus the state gradients nobody needs: the entering state's when it
+        is a constant (`init_grad` False), the last chunk's state update when the final state is
+        discarded (`final_grad` False)."""
+        m, C = self.m, self.m.gdn_chunk_size
+        K, V = m.linear_key_head_dim, m.linear_value_head_dim
+        n = math.ceil(tokens / C) if tokens else 0
         conv_fwd = 2 * self.ch * m.linear_conv_kernel_dim * tokens
         conv_bwd = conv_fwd * self.ch + conv_fwd  # FlopCounterMode: depthwise input-grad counted as dense
-        return 2 * (self.gdn_fwd(tokens) - self.n_gdn * conv_fwd) + self.n_gdn * conv_bwd
+        solve = n * 2 * self.hv * (C * C * V + C * C * K)
+        state_mm = 2 * self.hv * C * K * V  # one of W S, (Q e^G) S, (K e^{G_C-G})^T U for one chunk
+        unneeded = (0 if init_grad else 2 * state_mm) + (0 if final_grad else 2 * state_mm) if n else 0
+        return 2 * (self.gdn_fwd(tokens) - self.n_gdn * conv_fwd) + self.n_gdn * (conv_bwd + solve - unneeded)
 
     def attn(self, pairs: int, units: int) -> float:
         return self.n_attn * 2.0 * self.hq * self.d * pairs * units
 
 
-def step_flops(m: ModelConfig, P: int, lengths: list[int], mode: str, chunk_len: int, tp: int = 1) -> dict:
-    """{"algorithm": {phase: flops}, "minimum": {phase: flops}} for one group step of branch replay."""
+def step_flops(m: ModelConfig, P: int, lengths: list[int], mode: str, chunk_len: int, tp: int = 1,
+               store_probs: bool = False) -> dict:
+    """{"algorithm": {phase: flops}, "minimum": {phase: flops}} for one group step of branch replay.
+
+    `store_probs`: the branches keep their attention probabilities over the prompt (no score
+    recompute in their backward; `replay.attn_probs_budget_mib`)."""
     c = _Counter(m, tp)
     blk = m.attention_block
     Pc = P - 1
@@ -101,14 +115,16 @@ def step_flops(m: ModelConfig, P: int, lengths: list[int], mode: str, chunk_len:
             head = 2.0 * c.w["output"] * R
             fwd = c.linear(R) + c.attn(pp + own, 2) + c.gdn_fwd(R) + head
             if kind == "algorithm":
-                prompt_bwd = 3 + (2 if exact else 0)     # recompute S, dP, dQ (+ dK, dV of leaves)
+                prompt_bwd = (2 if store_probs else 3) + (2 if exact else 0)  # [recompute S,] dP, dQ (+ dK, dV)
                 own_bwd = 5
                 head_bwd = 3 * head                      # recompute (checkpoint) + dX + dW
             else:
                 prompt_bwd = 2 + (2 if exact else 0)     # dP, dQ (+ dK, dV)
                 own_bwd = 4
                 head_bwd = 2 * head
-            bwd = 2 * c.linear(R) + c.attn(pp, prompt_bwd) + c.attn(own, own_bwd) + c.gdn_bwd(R) + head_bwd
+            # the GDN state entering a branch is a constant (detached) or a leaf (exact); its final state is dropped
+            gdn_bwd = c.gdn_bwd(R, init_grad=exact and Pc > 0, final_grad=False)
+            bwd = 2 * c.linear(R) + c.attn(pp, prompt_bwd) + c.attn(own, own_bwd) + gdn_bwd + head_bwd
             total += fwd + bwd
         out[kind]["replay"] = total
     if exact:  # recompute each chunk with autograd, backward with every key needing a gradient
@@ -132,7 +148,7 @@ def step_flops(m: ModelConfig, P: int, lengths: list[int], mode: str, chunk_len:
                 fwd = c.linear(T) + c.attn(pp + own, 2) + c.gdn_fwd(T)
                 units = 5 if kind == "algorithm" else 4
                 bwd = 2 * (c.linear(T) - 2.0 * pruned_w * T) + attn_bwd * 2.0 * c.hq * c.d * (pp + own) * units \
-                    + c.gdn_bwd(T)
+                    + c.gdn_bwd(T, init_grad=s > 0, final_grad=True)
                 total += fwd + bwd
             out[kind]["prompt_backward"] = total
     # The conventional model count: forward once, backward = 2 x forward for every matmul (attention
@@ -169,5 +185,5 @@ def naive_flops(m: ModelConfig, P: int, lengths: list[int], tp: int = 1) -> dict
             head = 2.0 * c.w["output"] * R
             fwd = c.linear(T) + c.attn(pairs, 2) + c.gdn_fwd(T) + head
             units, head_bwd = (5, 3 * head) if kind == "algorithm" else (4, 2 * head)
-            out[kind] += fwd + 2 * c.linear(T) + c.attn(pairs, units) + c.gdn_bwd(T) + head_bwd
+            out[kind] += fwd + 2 * c.linear(T) + c.attn(pairs, units) + c.gdn_bwd(T, False, False) + head_bwd
     return out

@@ -21,6 +21,7 @@ from longstraw_mcore.prompt_state.containers import AttentionLayerBuffer, Prompt
 
 class _Base:
     collect = False
+    store_attention_probs = False
 
     def __init__(self, state: PromptState, offset: int):
         self.state, self.position_offset = state, offset
@@ -60,9 +61,10 @@ class CaptureContext(_Base):
 class ReplayContext(_Base):
     """Reads the state for a branch starting at position `state.length`, batch-expanded to `batch`."""
 
-    def __init__(self, state: PromptState, leaves: dict | None = None, batch: int = 1):
+    def __init__(self, state: PromptState, leaves: dict | None = None, batch: int = 1, store_probs: bool = False):
         super().__init__(state, state.length)
         self.leaves, self.batch = leaves, batch
+        self.store_attention_probs = store_probs  # the engine checked they fit its budget
 
     def read(self, n: int):
         st = self._plain(n) if self.leaves is None else self.leaves[n]

@@ -26,6 +26,7 @@ import torch
 
 from longstraw_mcore.config import ReplayConfig
 from longstraw_mcore.loss.logprobs import token_logprobs
+from longstraw_mcore.models.mixers.gated_attention import GatedAttentionMixer
 from longstraw_mcore.models.mixers.state import AttentionState, GDNState
 from longstraw_mcore.prompt_state.containers import AttentionLayerBuffer, PromptState, allocate
 from longstraw_mcore.prompt_state.contexts import (CaptureContext, RecomputeContext, ReplayContext, ensure_grad,
@@ -65,6 +66,26 @@ class BranchResult:
 BranchLoss = Callable[[int, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
+def attention_probs_bytes(local_q_heads: list[int], batch: int, tokens: int, prompt_len: int,
+                          dtype: torch.dtype) -> int:
+    """Bytes a branch (batch x tokens) keeps when it stores its probabilities over `prompt_len`
+    cached positions in each local attention layer (`local_q_heads` per layer; float32, or float64)."""
+    item = 8 if dtype == torch.float64 else 4
+    return sum(local_q_heads) * batch * tokens * prompt_len * item
+
+
+def stores_attention_probs(model, captured: int, cfg: ReplayConfig, batch: int, tokens: int) -> bool:
+    """Whether a branch of `batch` x `tokens` against `captured` prompt positions keeps its attention
+    probabilities for the backward (they fit `cfg.attn_probs_budget_mib`) instead of recomputing them."""
+    if cfg.attn_probs_budget_mib <= 0 or captured == 0:
+        return False
+    core = _unwrap(model)
+    heads = [layer.self_attention.hq for layer in core.decoder.layers
+             if isinstance(layer.self_attention, GatedAttentionMixer)]
+    need = attention_probs_bytes(heads, batch, tokens, captured, next(core.parameters()).dtype)
+    return need <= cfg.attn_probs_budget_mib * 2**20
+
+
 def _branch_inputs(prompt_last: int, response: list[int], device):
     ids = torch.tensor([[prompt_last] + response[:-1]], device=device)
     tgt = torch.tensor([response], device=device)
@@ -89,7 +110,8 @@ def replay_branches(model, state: PromptState, prompt_last: int, responses: list
             ids[i, :len(r)] = torch.tensor([prompt_last] + r[:-1])
             tgt[i, :len(r)] = torch.tensor(r)
         with torch.set_grad_enabled(grad):
-            hidden = model(ids, state=ReplayContext(state, leaves, batch=G), hidden_only=True)
+            store = grad and stores_attention_probs(core, state.length, cfg, G, Rmax)
+            hidden = model(ids, state=ReplayContext(state, leaves, batch=G, store_probs=store), hidden_only=True)
             logp = token_logprobs(core.output_layer, hidden, tgt, cfg.logprob_chunk)
             total = 0
             for i, b in enumerate(order):
@@ -106,7 +128,8 @@ def replay_branches(model, state: PromptState, prompt_last: int, responses: list
     for b in order:
         ids, tgt = _branch_inputs(prompt_last, responses[b], device)
         with torch.set_grad_enabled(grad):
-            hidden = model(ids, state=ReplayContext(state, leaves), hidden_only=True)
+            store = grad and stores_attention_probs(core, state.length, cfg, 1, ids.shape[1])
+            hidden = model(ids, state=ReplayContext(state, leaves, store_probs=store), hidden_only=True)
             lp = token_logprobs(core.output_layer, hidden, tgt, cfg.logprob_chunk)[0]
             stats = {}
             if grad:

@@ -1,6 +1,7 @@
 """Replay memory does not grow with the group size: the measured peak of a whole group step with G=8
 exceeds the G=2 peak by at most one branch's scratch (the graph of one branch replay: its
-activations, its log-prob chunk), in both modes, at fixed P and R. Measured with PyTorch's profiler
+activations, its log-prob chunk; with `replay.attn_probs_budget_mib` also its attention
+probabilities), in both modes, at fixed P and R. Measured with PyTorch's profiler
 memory timeline on CPU (longstraw_mcore/bench/memory.py)."""
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ def _worker(rank, world_size):
     P, R = 64, 12
     prompt = torch.randint(0, m.vocab_size, (P,), generator=g).tolist()
     out = {}
-    for mode in ("detached", "exact"):
-        rcfg = ReplayConfig(mode=mode, chunk_len=16)
+    # the third variant keeps each branch's attention probabilities (part of that branch's scratch)
+    for name, mode, budget in (("detached", "detached", 0.0), ("exact", "exact", 0.0),
+                               ("detached+stored probs", "detached", 64.0)):
+        rcfg = ReplayConfig(mode=mode, chunk_len=16, attn_probs_budget_mib=budget)
         peaks = {}
         for G in (2, 8):
             grp = RolloutGroup(prompt=prompt, responses=[torch.randint(0, m.vocab_size, (R,), generator=g).tolist()
@@ -46,7 +49,7 @@ def _worker(rank, world_size):
         replay_branches(model, state, prompt[-1], grp2.responses, [0], fn, rcfg, leaves)
         _, scratch, _ = measure_peak(lambda: replay_branches(model, state, prompt[-1], grp2.responses, [1], fn, rcfg,
                                                              leaves), par.device)
-        out[mode] = dict(g2=peaks[2], g8=peaks[8], scratch=scratch, how=how, state=state.nbytes())
+        out[name] = dict(g2=peaks[2], g8=peaks[8], scratch=scratch, how=how, state=state.nbytes())
     return out
 
 

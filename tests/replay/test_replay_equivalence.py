@@ -6,7 +6,8 @@ exact    == plain full-sequence GRPO over G copies of [prompt, y_b] on the same 
 detached == Hugging Face `transformers` run on prompt[:-1] under no_grad returning its cache, then on
            each branch with autograd using a copy of that cache (the prompt state is a constant there
            by construction): per-token log-probs and gradients, mapped through the conversion table.
-Invariances: branch order, capture chunk size, one branch at a time vs all branches batched.
+Invariances: branch order, capture chunk size, one branch at a time vs all branches batched,
+attention probabilities recomputed vs stored (`replay.attn_probs_budget_mib`).
 The objective exercises every term: off-policy old log-probs (so clipping is active), k3 KL to
 reference log-probs, token-mean aggregation; G=1 has zero advantage and keeps only the KL term.
 Not covered here: TP (tests/replay/test_replay_tp.py), pipeline parallelism (replay runs at PP=1).
@@ -91,10 +92,12 @@ def _worker(rank, world_size):
                     num = sum(float((g[k] * ref_g[k]).sum()) for k in g)
                     den = (sum(float((g[k] ** 2).sum()) for k in g) * sum(float((ref_g[k] ** 2).sum()) for k in g)) ** 0.5
                     out.setdefault("cosine", []).append((P, len(lengths), num / den))
-                # invariances on the larger groups: reversed branch order, batched branches
+                # invariances on the larger groups: reversed branch order, batched branches, attention
+                # probabilities stored in forward instead of recomputed in backward (one at a time, batched)
                 if len(lengths) >= 3:
-                    for variant in ("reversed", "batched"):
-                        vcfg = ReplayConfig(mode=mode, chunk_len=chunk, batch_branches=variant == "batched")
+                    for variant in ("reversed", "batched", "stored", "batched+stored"):
+                        vcfg = ReplayConfig(mode=mode, chunk_len=chunk, batch_branches="batched" in variant,
+                                            attn_probs_budget_mib=64.0 if "stored" in variant else 0.0)
                         order = list(reversed(range(len(lengths)))) if variant == "reversed" else None
                         l2, lp2, g2 = grads_and_loss(model, group, gcfg, lambda fn: [
                             r.logprobs for r in run_group(model, group.prompt, group.responses, fn, vcfg, tp=1,
@@ -124,7 +127,7 @@ def test_exact_equals_full_sequence_and_invariances():
         print(f"exact vs full-sequence GRPO: P={r['P']} G={r['G']} chunk={r['chunk']}: loss {r['loss']:.1e}, "
               f"logp {r['logp']:.1e}, worst grad {r['grad']:.1e} ({r['worst']})")
     for r in out["invariance"]:
-        print(f"invariance {r['variant']:>8} {r['mode']:>8} P={r['P']} chunk={r['chunk']}: grad {r['grad']:.1e}, "
+        print(f"invariance {r['variant']:>14} {r['mode']:>8} P={r['P']} chunk={r['chunk']}: grad {r['grad']:.1e}, "
               f"logp {r['logp']:.1e}, loss {r['loss']:.1e}")
     for P, G, cos in out["cosine"]:
         print(f"cosine(detached, exact) P={P} G={G}: {cos:.6f}")

@@ -1,6 +1,7 @@
 """Blockwise attention (online softmax forward, recompute backward) against plain autograd
 attention over the concatenated keys: outputs and gradients w.r.t. queries and *every* key/value set
-(prompt-state gradients of exact mode), for several block sizes, GQA and split points."""
+(prompt-state gradients of exact mode), for several block sizes, GQA and split points, with the
+prompt set's probabilities recomputed in the backward or stored by the forward."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from longstraw_mcore.ops.block_attention import block_attention, merge_attention
 F64 = torch.float64
 
 
+@pytest.mark.parametrize("store", [False, True])
 @pytest.mark.parametrize("P,T,block,Hq,Hk", [(0, 5, 4, 2, 2), (13, 6, 4, 6, 2), (40, 9, 7, 4, 1), (5, 1, 64, 4, 2), (9, 23, 4, 2, 1)])
-def test_prompt_plus_branch_equals_full_attention(P, T, block, Hq, Hk):
+def test_prompt_plus_branch_equals_full_attention(P, T, block, Hq, Hk, store):
     g = torch.Generator().manual_seed(P * 31 + T)
     mk = lambda *s: torch.randn(*s, generator=g, dtype=F64).requires_grad_()  # noqa: E731
     q, kb, vb = mk(2, T, Hq, 8), mk(2, T, Hk, 8), mk(2, T, Hk, 8)
@@ -27,9 +29,9 @@ def test_prompt_plus_branch_equals_full_attention(P, T, block, Hq, Hk):
     ref_grads = [grad(x) for x in (q, kb, vb, kp, vp)]
     for x in (q, kb, vb, kp, vp):
         x.grad = None
-    parts = [block_attention(q, kb, vb, q_start=P, k_start=P, block=block)]
+    parts = [block_attention(q, kb, vb, q_start=P, k_start=P, block=block, store_probs=store)]
     if P:
-        parts.insert(0, block_attention(q, kp, vp, q_start=P, k_start=0, block=block))
+        parts.insert(0, block_attention(q, kp, vp, q_start=P, k_start=0, block=block, store_probs=store))
     out = merge_attention(parts)
     (out * w).sum().backward()
     assert torch.allclose(out, ref, rtol=0, atol=1e-13)
@@ -52,10 +54,25 @@ def test_causal_within_one_set_and_lse():
     assert torch.all(out == 0) and torch.all(torch.isinf(lse))
 
 
-def test_gradcheck_small():
+@pytest.mark.parametrize("store", [False, True])
+def test_gradcheck_small(store):
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 3, 2, 3, generator=g, dtype=F64, requires_grad=True)
     k = torch.randn(1, 5, 1, 3, generator=g, dtype=F64, requires_grad=True)
     v = torch.randn(1, 5, 1, 3, generator=g, dtype=F64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b, c: block_attention(a, b, c, q_start=3, k_start=0, block=2),
-                                    (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: block_attention(a, b, c, q_start=3, k_start=0, block=2, store_probs=store), (q, k, v))
+
+
+def test_stored_probabilities_are_released_by_the_backward():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 2, 8, generator=g, requires_grad=True)
+    k, v = torch.randn(1, 300, 2, 8, generator=g), torch.randn(1, 300, 2, 8, generator=g)
+    for store, extra in ((False, 0), (True, 1 * 2 * 4 * 300 + 5 * 1 * 2 * 4)):  # p blocks + one max per block
+        out, lse = block_attention(q, k, v, q_start=300, k_start=0, block=64, store_probs=store)
+        node = out.grad_fn
+        saved = sum(t.numel() for t in node.saved_tensors) - sum(x.numel() for x in (q, k, v, out, lse))
+        assert saved == extra, (store, saved)
+        out.sum().backward()
+        with pytest.raises(RuntimeError, match="freed"):
+            node.saved_tensors

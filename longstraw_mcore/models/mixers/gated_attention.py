@@ -87,7 +87,9 @@ class GatedAttentionMixer(MegatronModule):
         # them (exact mode), come out of the same backward.
         parts = [block_attention(q, k, v, q_start=offset, k_start=offset, block=self.block)]
         if cached is not None and cached.length > 0:
-            parts.insert(0, block_attention(q, cached.k, cached.v, q_start=offset, k_start=0, block=self.block))
+            store = bool(getattr(ctx, "store_attention_probs", False))
+            parts.insert(0, block_attention(q, cached.k, cached.v, q_start=offset, k_start=0, block=self.block,
+                                            store_probs=store))
         o = merge_attention(parts)
         if ctx is not None and ctx.collect:
             ctx.write(self.layer_number, AttentionState(k=k, v=v))  # this call's positions only

@@ -54,6 +54,10 @@ class GDNState:
 class StateContext:
     """Carries cached state into the mixers and collects their new state."""
 
+    store_attention_probs = False
+    """Attention may keep its probabilities over the cached positions for the backward (no score
+    recompute) instead of O(queries x block) memory; set by a context that has checked they fit."""
+
     def __init__(self, position_offset: int = 0, states: dict | None = None, collect: bool = False):
         if position_offset < 0:
             raise ValueError(f"position_offset={position_offset}: must be >= 0")
