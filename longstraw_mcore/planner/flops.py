@@ -70,11 +70,12 @@ class _Counter:
         conv = 2 * self.ch * m.linear_conv_kernel_dim * tokens
         return self.n_gdn * (n * per_chunk + conv)
 
-    def gdn_bwd(self, tokens: int, init_grad: bool, final_grad: bool) -> float:
+    def gdn_bwd(self, tokens: int, init_grad: bool, final_grad: bool, output_unused: int = 0) -> float:
         """Backward: both operands of every chunk matmul, plus the triangular solves' matmul
-        gradients (dA = -dX X^T); minus the state gradients nobody needs: the entering state's when it
-        is a constant (`init_grad` False), the last chunk's state update when the final state is
-        discarded (`final_grad` False)."""
+        gradients (dA = -dX X^T); minus the gradients nobody needs: the entering state's when it is a
+        constant (`init_grad` False), the last chunk's state update when the final state is discarded
+        (`final_grad` False), and the output path (Q K^T, (Q e^G) S, (Q K^T * D) U) of the
+        `output_unused` layers whose output feeds nothing (exact mode's last recomputed layer)."""
         m, C = self.m, self.m.gdn_chunk_size
         K, V = m.linear_key_head_dim, m.linear_value_head_dim
         n = math.ceil(tokens / C) if tokens else 0
@@ -83,7 +84,11 @@ class _Counter:
         solve = n * 2 * self.hv * (C * C * V + C * C * K)
         state_mm = 2 * self.hv * C * K * V  # one of W S, (Q e^G) S, (K e^{G_C-G})^T U for one chunk
         unneeded = (0 if init_grad else 2 * state_mm) + (0 if final_grad else 2 * state_mm) if n else 0
-        return 2 * (self.gdn_fwd(tokens) - self.n_gdn * conv_fwd) + self.n_gdn * (conv_bwd + solve - unneeded)
+        full = 2 * (self.gdn_fwd(tokens) - self.n_gdn * conv_fwd) + self.n_gdn * (conv_bwd + solve - unneeded)
+        # output path of one layer: both operands of its three output matmuls in every chunk, less the
+        # entering-state gradient of (Q e^G) S already left out above
+        out_path = n * 2 * (state_mm + 2 * self.hv * C * C * (V + K)) - (0 if init_grad or not n else state_mm)
+        return full - output_unused * out_path
 
     def attn(self, pairs: int, units: int) -> float:
         return self.n_attn * 2.0 * self.hq * self.d * pairs * units
@@ -128,27 +133,31 @@ def step_flops(m: ModelConfig, P: int, lengths: list[int], mode: str, chunk_len:
             total += fwd + bwd
         out[kind]["replay"] = total
     if exact:  # recompute each chunk with autograd, backward with every key needing a gradient
-        # Autograd back-propagates only into what some seeded state depends on: in the last layer, its
-        # K/V (attention) or its states (GDN), not the rest of that layer (q/o or z/out projections,
-        # the attention core, the MLP).
+        # The recompute forward stops once the last layer has written its state (StateComplete), and
+        # autograd back-propagates only into what a seeded state depends on: the rest of the last layer
+        # (attention: q projection, attention core, o projection; GDN: z / out projections, its output
+        # path) and its MLP are neither run nor differentiated.
         last = m.layer_types[-1]
         H, D = m.hidden_size, m.head_dim
-        if last == "full_attention":
+        last_attn = last == "full_attention"
+        if last_attn:
             pruned_w = (H * 2 * m.num_attention_heads * D + m.num_attention_heads * D * H + 3 * H * m.intermediate_size) // tp
         else:
             vd = m.linear_num_value_heads * m.linear_value_head_dim
             pruned_w = (2 * H * vd + 3 * H * m.intermediate_size) // tp
-        attn_bwd = c.n_attn - (1 if last == "full_attention" else 0)
+        attn_layers = c.n_attn - (1 if last_attn else 0)
         for kind, blocked in (("algorithm", True), ("minimum", False)):
             total = 0.0
             for s, e in chunks:
                 T = e - s
                 pp = _attn_pairs(T, s, s, 0, blk, blocked)
                 own = _attn_pairs(T, s, T, s, blk, blocked)
-                fwd = c.linear(T) + c.attn(pp + own, 2) + c.gdn_fwd(T)
+                lin = c.linear(T) - 2.0 * pruned_w * T
+                per_layer = 2.0 * c.hq * c.d * (pp + own)
+                fwd = lin + attn_layers * per_layer * 2 + c.gdn_fwd(T)
                 units = 5 if kind == "algorithm" else 4
-                bwd = 2 * (c.linear(T) - 2.0 * pruned_w * T) + attn_bwd * 2.0 * c.hq * c.d * (pp + own) * units \
-                    + c.gdn_bwd(T, init_grad=s > 0, final_grad=True)
+                bwd = 2 * lin + attn_layers * per_layer * units \
+                    + c.gdn_bwd(T, init_grad=s > 0, final_grad=True, output_unused=0 if last_attn else 1)
                 total += fwd + bwd
             out[kind]["prompt_backward"] = total
     # The conventional model count: forward once, backward = 2 x forward for every matmul (attention

@@ -99,6 +99,11 @@ def make_leaves(state: PromptState) -> dict:
     return leaves
 
 
+class StateComplete(Exception):
+    """Raised by `RecomputeContext` once every local layer has written its state: nothing computed
+    after that point feeds a seeded gradient, so the recompute forward stops there."""
+
+
 class RecomputeContext(_Base):
     collect = True
 
@@ -122,6 +127,8 @@ class RecomputeContext(_Base):
 
     def write(self, n: int, new) -> None:
         self.produced[n] = new
+        if len(self.produced) == len(self.state.layers):
+            raise StateComplete  # the rest of the last layer (and the final norm) is not needed
 
 
 def ensure_grad(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,8 @@ from longstraw_mcore.loss.logprobs import token_logprobs
 from longstraw_mcore.models.mixers.gated_attention import GatedAttentionMixer
 from longstraw_mcore.models.mixers.state import AttentionState, GDNState
 from longstraw_mcore.prompt_state.containers import AttentionLayerBuffer, PromptState, allocate
-from longstraw_mcore.prompt_state.contexts import (CaptureContext, RecomputeContext, ReplayContext, ensure_grad,
-                                                   make_leaves)
+from longstraw_mcore.prompt_state.contexts import (CaptureContext, RecomputeContext, ReplayContext, StateComplete,
+                                                   ensure_grad, make_leaves)
 
 
 def _local_layers(model) -> dict[int, str]:
@@ -151,7 +151,11 @@ def exact_prompt_backward(model, state: PromptState, prompt_prefix: torch.Tensor
         s0, s1 = state.chunk_bounds[c]
         ctx = RecomputeContext(state, c)
         with torch.enable_grad():
-            model(prompt_prefix[:, s0:s1], state=ctx, hidden_only=True)
+            try:
+                model(prompt_prefix[:, s0:s1], state=ctx, hidden_only=True)
+                raise AssertionError("the recompute forward ended without every layer writing its state")
+            except StateComplete:
+                pass
         outs, grads = [], []
         for n, produced in ctx.produced.items():
             st = state.layers[n]

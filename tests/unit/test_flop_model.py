@@ -29,7 +29,7 @@ def _worker(rank, world_size):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     m = load_config(os.path.join(root, "configs", "qwen3.6-tiny.yaml"), ["model.attention_block=32"]).model
     gcfg = GRPOConfig()
-    rows = []
+    rows, groups = [], {}
     g = torch.Generator().manual_seed(0)
     for tp in (1, 2):
         par = setup_parallel(RunConfig(model=m, parallel=ParallelConfig(tp=tp), device="cpu"))
@@ -38,6 +38,7 @@ def _worker(rank, world_size):
             prompt = torch.randint(0, m.vocab_size, (P,), generator=g).tolist()
             resp = [torch.randint(0, m.vocab_size, (n,), generator=g).tolist() for n in lens]
             group = RolloutGroup(prompt=prompt, responses=resp, rewards=[float(i) for i in range(len(lens))])
+            groups[P] = group
             for mode in ("detached", "exact"):
                 for budget in (0.0, 64.0):
                     rc = ReplayConfig(mode=mode, chunk_len=128, attn_probs_budget_mib=budget, logprob_chunk=32)
@@ -59,6 +60,19 @@ def _worker(rank, world_size):
         below = ReplayConfig(attn_probs_budget_mib=(need - 1) / 2**20)
         rows.append((tp, "threshold", stores_attention_probs(model, 299, at, 1, 40),
                      stores_attention_probs(model, 299, below, 1, 40)))
+    # a model whose last layer is Gated DeltaNet (G G G A G G G): exact mode's recompute then stops
+    # after that layer's state and leaves its output path out of the backward
+    m7 = load_config(os.path.join(root, "configs", "qwen3.6-tiny.yaml"),
+                     ["model.attention_block=32", "model.num_layers=7"]).model
+    par = setup_parallel(RunConfig(model=m7, parallel=ParallelConfig(tp=2), device="cpu"))
+    model = build_model(m7, par, "cpu")
+    group = groups[300]
+    for mode in ("detached", "exact"):
+        rc = ReplayConfig(mode=mode, chunk_len=128, logprob_chunk=32)
+        with FlopCounterMode(display=False) as fc:
+            process_group(model, group, rc, gcfg, 2)
+        rows.append(("gdn-last", 300, mode, 0.0, False, fc.get_total_flops(),
+                     step_flops(m7, len(group.prompt), [len(r) for r in group.responses], mode, 128, 2)["algorithm"]["total"]))
     return rows
 
 
@@ -68,7 +82,7 @@ def test_flop_model_equals_flop_counter():
     counts = [r for r in rows if r[1] != "threshold"]
     for tp, P, mode, budget, store, measured, analytic in counts:
         print(f"tp={tp} P={P} {mode:>8} store={store!s:>5}: FlopCounterMode {measured:,} analytic {analytic:,.0f}")
-    assert len(counts) == 2 * 2 * 5
+    assert len(counts) == 2 * 2 * 5 + 2
     for tp, P, mode, budget, store, measured, analytic in counts:
         assert measured == analytic, (tp, P, mode, store, measured, analytic)
         assert store == (budget > 0 and P > 1 and mode != "naive")

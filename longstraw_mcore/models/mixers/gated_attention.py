@@ -71,17 +71,21 @@ class GatedAttentionMixer(MegatronModule):
                              f"position offset is {offset}")
         S, B, _ = hidden_states.shape
         x = hidden_states.transpose(0, 1)                                       # [B, S, Hd]
-        qg, _ = self.linear_q(x)
-        qg = qg.reshape(B, S, self.hq, 2 * self.d)
-        q, gate = qg[..., :self.d], qg[..., self.d:]
         k, _ = self.linear_k(x)
         v, _ = self.linear_v(x)
-        q = self.q_norm(q)
         k = self.k_norm(k.reshape(B, S, self.hk, self.d))
         v = v.reshape(B, S, self.hk, self.d)
         pos = torch.arange(offset, offset + S, device=x.device)
         cos, sin = rope_cos_sin(pos, self.rotary_dim, self.rope_theta, x.dtype)
-        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        k = apply_partial_rope(k, cos, sin)
+        # The state is written as soon as it exists: a context that needs nothing past it (exact mode's
+        # recompute of the last layer) may stop the forward here.
+        if ctx is not None and ctx.collect:
+            ctx.write(self.layer_number, AttentionState(k=k, v=v))  # this call's positions only
+        qg, _ = self.linear_q(x)
+        qg = qg.reshape(B, S, self.hq, 2 * self.d)
+        q, gate = qg[..., :self.d], qg[..., self.d:]
+        q = apply_partial_rope(self.q_norm(q), cos, sin)
         # One softmax over (cached positions) U (this call's positions), merged by log-sum-exp: the
         # cached K/V are read in place (no concatenated copy), and their gradients, when they require
         # them (exact mode), come out of the same backward.
@@ -91,8 +95,6 @@ class GatedAttentionMixer(MegatronModule):
             parts.insert(0, block_attention(q, cached.k, cached.v, q_start=offset, k_start=0, block=self.block,
                                             store_probs=store))
         o = merge_attention(parts)
-        if ctx is not None and ctx.collect:
-            ctx.write(self.layer_number, AttentionState(k=k, v=v))  # this call's positions only
         o = o.reshape(B, S, self.hq * self.d) * torch.sigmoid(gate.reshape(B, S, self.hq * self.d))
         out, _ = self.linear_proj(o.transpose(0, 1).contiguous())
         return out, None

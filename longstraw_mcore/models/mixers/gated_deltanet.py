@@ -98,7 +98,6 @@ class GatedDeltaNetMixer(MegatronModule):
         q, _ = self.in_proj_q(hidden_states)
         k, _ = self.in_proj_k(hidden_states)
         v, _ = self.in_proj_v(hidden_states)
-        z, _ = self.in_proj_z(hidden_states)
         b, _ = self.in_proj_b(hidden_states)
         a, _ = self.in_proj_a(hidden_states)
 
@@ -118,8 +117,9 @@ class GatedDeltaNetMixer(MegatronModule):
         o, rec = chunk_gated_delta_rule(q, k, v, g, beta, cached.recurrent if cached is not None else None,
                                         chunk_size=self.chunk_size, state_dtype=sd)
         if ctx is not None and ctx.collect:
-            ctx.write(self.layer_number, GDNState(conv=conv_state, recurrent=rec))
+            ctx.write(self.layer_number, GDNState(conv=conv_state, recurrent=rec))  # may stop the forward here
 
+        z, _ = self.in_proj_z(hidden_states)
         z = z.transpose(0, 1).reshape(B, S, self.hv, self.dv)
         o = self.norm(o.to(hidden_states.dtype), z).reshape(B, S, self.hv * self.dv)
         out, _ = self.out_proj(o.transpose(0, 1).contiguous())
