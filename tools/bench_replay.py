@@ -3,13 +3,14 @@
 
   python tools/bench_replay.py [--config configs/qwen3.6-tiny.yaml] [--prompt-lens 4096,16384,65536]
       [--response-lens 256,1024] [--group-sizes 2,8] [--modes detached,exact] [--naive-max-prompt 16384]
-      [--out bench.json] [key=value ...]
+      [--naive-copies N] [--out bench.json] [key=value ...]    (e.g. replay.attn_probs_budget_mib=4096)
 
 Per point: wall seconds per phase, FLOPs measured with torch.utils.flop_counter.FlopCounterMode beside
 the analytic count of this algorithm and the no-recompute minimum (longstraw_mcore/planner/flops.py),
 peak memory (CUDA: allocator peak; CPU: peak resident-set growth sampled every 2 ms, with glibc
 returning freed tensor blocks to the OS, i.e. what the process really took), prompt-state bytes. Naive runs only up to --naive-max-prompt (time,
-not memory, limits it on a CPU; say so in the table). Prints a table and writes JSON. One process.
+not memory, limits it on a CPU; say so in the table), on --naive-copies of the G copies if set. Prints a
+table and writes JSON. One process.
 """
 
 from __future__ import annotations
@@ -183,6 +184,11 @@ def print_table(path: str, config: str, overrides) -> int:
 
     m = load_config(config, overrides).model
     rows = [r for p in path.split(",") for r in json.load(open(p))["rows"]]
+    # naive does not depend on the replay mode: a row without it shows the naive run of another row at
+    # the same (P, R, G), if one was measured
+    naive_at = {(r["P"], r["R"], r["G"]): r["naive"] for r in rows if r["naive"]}
+    rows = [{**r, "naive": r["naive"] or naive_at.get((r["P"], r["R"], r["G"]))} for r in rows]
+    rows.sort(key=lambda r: (r["P"], r["R"], r["G"], r["mode"], r.get("store_probs", False)))
     print("| P | R | G | mode | attention bwd | s | capture tok/s | replay tok/s | measured TF | /algorithm | /minimum "
           "| /3x model | peak MiB | state MiB | naive TF (s) | naive/replay measured | naive/replay analytic |")
     print("|" + "---|" * 17)

@@ -9,7 +9,8 @@
               chunks are recomputed from last to first with autograd against the earlier chunks'
               state, seeded with the accumulated gradient of the chunk's own K/V and of the GDN state
               leaving it; one torch.autograd.backward per chunk deposits into the parameters and the
-              earlier chunks' state gradients.
+              earlier chunks' state gradients. A chunk's recompute stops as soon as the last layer has
+              written its state: nothing after it is seeded.
 
 detached = sum_b dL_b/dtheta with the state held constant (LongStraw's truncated gradient);
 exact    = dL/dtheta including (sum_b dL_b/dS) dS/dtheta, i.e. full-sequence GRPO.
