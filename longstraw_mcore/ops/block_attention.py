@@ -74,7 +74,7 @@ class _BlockAttention(torch.autograd.Function):
         out = out.transpose(1, 2).to(q.dtype)                                     # [B,T,Hq,D]
         lse = lse.transpose(1, 2).contiguous()                                    # [B,T,Hq]
         # Stored probabilities are saved tensors too: freed by the backward unless retain_graph.
-        ctx.n_kept = len(kept) if store else -1
+        ctx.store = store
         ctx.save_for_backward(q, k, v, out, lse, *([t for pair in kept for t in pair] if store else []))
         ctx.cfg = (q_start, k_start, scale, block)
         return out, lse
@@ -83,7 +83,7 @@ class _BlockAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *flat = ctx.saved_tensors
         q_start, k_start, scale, block = ctx.cfg
-        kept = list(zip(flat[0::2], flat[1::2])) if ctx.n_kept >= 0 else None
+        kept = list(zip(flat[0::2], flat[1::2])) if ctx.store else None
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         B, T, Hq, D = q.shape
         S, Hk = k.shape[1], k.shape[2]
@@ -144,14 +144,14 @@ def block_attention(q, k, v, q_start: int, k_start: int, scale: float | None = N
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"query heads {q.shape[2]} not a multiple of key heads {k.shape[2]}")
     T = q.shape[1]
+    store = bool(store_probs and torch.is_grad_enabled())
     if T <= block:
-        return _BlockAttention.apply(q, k, v, int(q_start), int(k_start), float(scale), int(block),
-                                     bool(store_probs and torch.is_grad_enabled()))
+        return _BlockAttention.apply(q, k, v, int(q_start), int(k_start), float(scale), int(block), store)
     # Query blocks too: each only walks the key blocks it can see, so a causal set costs ~T^2/2, not T^2.
     outs, lses = [], []
     for t0 in range(0, T, block):
         o, lse = _BlockAttention.apply(q[:, t0:t0 + block], k, v, int(q_start + t0), int(k_start), float(scale),
-                                       int(block), bool(store_probs and torch.is_grad_enabled()))
+                                       int(block), store)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, 1), torch.cat(lses, 1)

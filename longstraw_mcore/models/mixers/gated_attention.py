@@ -91,9 +91,8 @@ class GatedAttentionMixer(MegatronModule):
         # them (exact mode), come out of the same backward.
         parts = [block_attention(q, k, v, q_start=offset, k_start=offset, block=self.block)]
         if cached is not None and cached.length > 0:
-            store = bool(getattr(ctx, "store_attention_probs", False))
             parts.insert(0, block_attention(q, cached.k, cached.v, q_start=offset, k_start=0, block=self.block,
-                                            store_probs=store))
+                                            store_probs=ctx.store_attention_probs))
         o = merge_attention(parts)
         o = o.reshape(B, S, self.hq * self.d) * torch.sigmoid(gate.reshape(B, S, self.hq * self.d))
         out, _ = self.linear_proj(o.transpose(0, 1).contiguous())
