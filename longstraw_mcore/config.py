@@ -20,7 +20,8 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names it and what would be valid."""
 
 
-DTYPES = ("float32", "float64", "bfloat16")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+RUN_DTYPES = ("float32", "float64", "bfloat16")
 DEVICES = ("cpu", "cuda", "auto")
 FAMILIES = ("qwen3_5",)
 
@@ -56,8 +57,13 @@ class ModelConfig:
     """Chunk length of the chunked gated delta rule."""
     attention_block: int = 1024
     """Key block of the blockwise attention (memory O(queries x block), never queries x keys)."""
-    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
-    """Parameter and activation dtype."""
+    dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
+    """Parameter and activation dtype. `float16` only describes checkpoints (conversion keeps it);
+    runs refuse it (no loss scaling here): pass model.dtype=bfloat16 or float32 to cast on load."""
+    make_vocab_size_divisible_by: int = 1
+    """Pad the vocabulary (embedding and output rows) to a multiple of this x tp, as Megatron does;
+    padded entries never reach a log-prob. 1: pad only what tensor parallelism needs (Megatron's
+    training default is 128, which configs/qwen3.6-27b.yaml sets)."""
 
     def __post_init__(self) -> None:
         _check_choice("model.family", self.family, FAMILIES)
@@ -65,7 +71,7 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "full_attention_interval",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
                      "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                     "linear_conv_kernel_dim", "gdn_chunk_size", "attention_block"):
+                     "linear_conv_kernel_dim", "gdn_chunk_size", "attention_block", "make_vocab_size_divisible_by"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"model.{name}={v!r}: must be a positive integer")
@@ -85,6 +91,11 @@ class ModelConfig:
             raise ConfigError(f"model.rope_theta={self.rope_theta}, model.rms_norm_eps={self.rms_norm_eps}: "
                               "both must be positive")
 
+    def padded_vocab_size(self, tp: int) -> int:
+        """Megatron's rule: the smallest multiple of make_vocab_size_divisible_by * tp >= vocab_size."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
@@ -99,7 +110,8 @@ class ModelConfig:
     def torch_dtype(self):
         import torch
 
-        return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[self.dtype]
+        return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}[self.dtype]
 
     @property
     def state_dtype(self):
@@ -250,8 +262,7 @@ def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:
         ("model.linear_num_key_heads", m.linear_num_key_heads),
         ("model.linear_num_value_heads", m.linear_num_value_heads),
         ("model.intermediate_size", m.intermediate_size),
-        ("model.vocab_size", m.vocab_size),
-    ]
+    ]  # the vocabulary is padded to what TP needs (model.make_vocab_size_divisible_by)
     for name, v in checks:
         if v % tp:
             valid = [d for d in range(1, v + 1) if v % d == 0 and d <= 64]

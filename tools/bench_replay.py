@@ -106,6 +106,8 @@ def main(argv=None) -> int:
                         "G / copies: the copies are identical work (equal R), run one after another")
     p.add_argument("--skip", default="", help="semicolon-separated P:R:G:mode points to skip (time budget)")
     p.add_argument("--out", default="bench.json")
+    p.add_argument("--peak-tflops", type=float, default=0.0,
+                   help="the device's bf16 peak (TFLOP/s) to report each row's FLOP rate against (0: not reported)")
     p.add_argument("--table-from", default=None, help="print the table of earlier JSON files (comma-separated; "
                    "analytic columns recomputed with the current FLOP model) and exit")
     p.add_argument("overrides", nargs="*")
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
     from longstraw_mcore.config import load_config
     from longstraw_mcore.data.rollouts import RolloutGroup
     from longstraw_mcore.loss.grpo import advantages, group_loss_fn
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families import get_family
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.planner.flops import naive_flops, step_flops
     from longstraw_mcore.replay.engine import stores_attention_probs
@@ -128,7 +130,7 @@ def main(argv=None) -> int:
     cfg = load_config(a.config, a.overrides)
     par = setup_parallel(cfg)
     m = cfg.model
-    model = build_model(m, par, cfg.resolved_device())
+    model = get_family(m.family).build_model(m, par, cfg.resolved_device())
     skip = set(filter(None, a.skip.split(";")))
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -164,6 +166,8 @@ def main(argv=None) -> int:
                            "tokens_per_s": {"capture": (P - 1) / max(st.seconds.get("capture", 1e-9), 1e-9),
                                             "replay": G * R / max(st.seconds.get("replay", 1e-9), 1e-9)},
                            "flops_measured": flops, "flops_algorithm": an["algorithm"], "flops_minimum": an["minimum"],
+                           "tflops_per_s": flops / secs / 1e12,
+                           "fraction_of_peak": (flops / secs / 1e12 / a.peak_tflops) if a.peak_tflops else None,
                            "measured_over_minimum": flops / an["minimum"]["total"],
                            "measured_over_algorithm": flops / an["algorithm"]["total"],
                            "peak_bytes": peak, "state_bytes": st.state_bytes, "naive": naive,
@@ -218,7 +222,9 @@ def _fmt(r) -> str:
             f"{'stored' if r['store_probs'] else 'recompute'} {r['flops_measured'] / 1e12:7.3f} TF "
             f"(algo {r['measured_over_algorithm']:.3f}x, "
             f"min {r['measured_over_minimum']:.3f}x) peak {r['peak_bytes'] / 2**20:7.1f}MiB "
-            f"state {r['state_bytes'] / 2**20:.2f}MiB | {naive}, analytic ratio {r['analytic_ratio_naive_over_replay']:.2f}")
+            f"state {r['state_bytes'] / 2**20:.2f}MiB, {r['tflops_per_s']:.2f} TFLOP/s"
+            + (f" ({100 * r['fraction_of_peak']:.1f}% of peak)" if r.get("fraction_of_peak") else "")
+            + f" | {naive}, analytic ratio {r['analytic_ratio_naive_over_replay']:.2f}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     b.add_argument("dst")
     args = p.parse_args(argv)
 
-    from longstraw_mcore.checkpoint.qwen3_5 import CheckpointError
+    from longstraw_mcore.checkpoint.common import CheckpointError
     from longstraw_mcore.config import ConfigError
 
     try:

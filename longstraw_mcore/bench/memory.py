@@ -16,19 +16,34 @@ import torch
 
 def measure_peak(fn: Callable[[], object], device: torch.device) -> tuple[object, int, str]:
     """Run `fn()`; return (its result, peak extra bytes, how it was measured)."""
+    out, peak, _, how = measure_memory(fn, device)
+    return out, peak, how
+
+
+def measure_memory(fn: Callable[[], object], device: torch.device) -> tuple[object, int, int, str]:
+    """Run `fn()`; return (its result, peak extra bytes, bytes still held when it returned (what it
+    allocated and kept), how it was measured)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         out = fn()
         torch.cuda.synchronize(device)
-        return out, int(torch.cuda.max_memory_allocated(device) - base), "cuda allocator peak"
+        return (out, int(torch.cuda.max_memory_allocated(device) - base),
+                int(torch.cuda.memory_allocated(device) - base), "cuda allocator")
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import MemoryProfileTimeline
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         out = fn()
+    from torch.profiler._memory_profiler import Action
+
     timeline = MemoryProfileTimeline(prof._memory_profile())
     _, sizes = timeline._coalesce_timeline(torch.device("cpu"))
-    peak = max((sum(s) for s in sizes), default=0)
-    return out, int(peak), "cpu profiler memory timeline"
+    # tensors that existed before (parameters, the state, ...) enter the timeline as PREEXISTING
+    # once the work touches them: they are the baseline, not the work's memory
+    base = sum(n for _, action, (key, _), n in timeline.timeline
+               if action == Action.PREEXISTING and key.device == torch.device("cpu"))
+    peak = max((sum(s) for s in sizes), default=base) - base
+    retained = (sum(sizes[-1]) if sizes else base) - base
+    return out, int(peak), int(retained), "cpu profiler memory timeline"

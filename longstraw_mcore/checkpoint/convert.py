@@ -1,9 +1,13 @@
-"""Checkpoint conversion: HF directory <-> Megatron distributed checkpoint, and HF straight into a model.
+"""Checkpoint conversion: HF directory <-> Megatron distributed checkpoint, HF straight into a model,
+and a model's tensors (or gradients) streamed out under Hugging Face names.
 
 `hf_to_mcore_dir` validates everything (architecture, every tensor's presence and shape, that the
 target layout divides the model) before it creates anything on disk, then writes a layout-free
 Megatron checkpoint from one process with the tensors' own dtypes: HF -> Megatron -> HF is
-bit-exact. The original `config.json` is recorded, so `mcore_to_hf_dir` gives it back.
+bit-exact. The original `config.json` is recorded, so `mcore_to_hf_dir` gives it back. Megatron
+checkpoints written by training hold vocabulary tensors padded for their layout: the padding is
+dropped on the way out (the true vocabulary is in the recorded model config). Family-specific parts
+(config reader, mapping table) come from the family registry.
 """
 
 from __future__ import annotations
@@ -11,11 +15,14 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
+
 from longstraw_mcore.checkpoint.dist_ckpt import load_full_tensors, read_checkpoint_meta, save_full_tensors
-from longstraw_mcore.checkpoint.full_state import load_full
-from longstraw_mcore.checkpoint.hf import read_config, read_tensors, write_hf
-from longstraw_mcore.checkpoint.qwen3_5 import CheckpointError, LazyCanonical, hf_shapes, hf_to_mcore, mcore_to_hf
+from longstraw_mcore.checkpoint.full_state import load_full, stream_full
+from longstraw_mcore.checkpoint.hf import read_tensors, write_hf
+from longstraw_mcore.checkpoint.common import CheckpointError
 from longstraw_mcore.config import ConfigError, ModelConfig, ParallelConfig, validate_layout
+from longstraw_mcore.families import get_family, read_hf_config
 
 
 def check_target_layout(m: ModelConfig, tp: int, pp: int) -> None:
@@ -25,11 +32,12 @@ def check_target_layout(m: ModelConfig, tp: int, pp: int) -> None:
 
 
 def hf_to_mcore_dir(src: str | Path, dst: str | Path, tp: int = 1, pp: int = 1, log=print) -> dict:
-    m, raw = read_config(src)
+    m, raw = read_hf_config(src)
+    mapping = get_family(m.family).mapping
     check_target_layout(m, tp, pp)
     tensors, skipped = read_tensors(src)
-    canonical = hf_to_mcore(tensors, m, where=str(src))
-    unused = sorted(set(tensors) - set(hf_shapes(m)))
+    canonical = mapping.hf_to_mcore(tensors, m, where=str(src))
+    unused = sorted(set(tensors) - set(mapping.hf_shapes(m)))
     if unused:
         raise CheckpointError(f"{src}: tensor(s) {unused[:5]} are not part of a {m.family} text decoder of this "
                               "config (wrong config.json?)")
@@ -46,13 +54,25 @@ def hf_to_mcore_dir(src: str | Path, dst: str | Path, tp: int = 1, pp: int = 1, 
     return {"tensors": len(canonical), "bytes": nbytes, "skipped": skipped}
 
 
+def _unpad(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """Drop vocabulary padding: tensors with more rows than the HF shape, the rest equal."""
+    shapes = get_family(m.family).mapping.hf_shapes(m)
+    out = {}
+    for k, t in hf.items():
+        want = shapes.get(k)
+        if want is not None and tuple(t.shape) != want and t.shape[1:] == want[1:] and t.shape[0] > want[0]:
+            t = t[:want[0]].contiguous()
+        out[k] = t
+    return out
+
+
 def mcore_to_hf_dir(src: str | Path, dst: str | Path, log=print) -> dict:
     m, meta = read_checkpoint_meta(src)
     dstp = Path(dst)
     if dstp.exists() and any(dstp.iterdir()):
         raise CheckpointError(f"{dstp} exists and is not empty; refusing to overwrite")
     _init_cpu_process()
-    hf = mcore_to_hf(load_full_tensors(src), m)
+    hf = _unpad(get_family(m.family).mapping.mcore_to_hf(load_full_tensors(src), m), m)
     write_hf(dstp, hf, m, config=meta.get("hf_config"))
     log(f"[convert] wrote {len(hf)} tensors to {dstp}")
     return {"tensors": len(hf)}
@@ -69,20 +89,85 @@ def _init_cpu_process() -> None:
 
 
 def load_hf_into_model(model, src: str | Path, expect: ModelConfig | None = None, log=print) -> list[str]:
-    """Load an HF directory into this rank's shard of `model` (converted in memory)."""
-    m, _ = read_config(src)
+    """Load an HF directory into this rank's shard of `model` (converted in memory; each HF tensor
+    is read only for the rows/columns this rank holds)."""
+    m, _ = read_hf_config(src)
     if expect is not None:
         _check_same_dims(m, expect, src)
     tensors, skipped = read_tensors(src)
-    load_full(model, LazyCanonical(tensors, m, where=str(src)))  # reads each HF tensor once, on demand
+    load_full(model, get_family(m.family).mapping.LazyCanonical(tensors, m, where=str(src)))
     return skipped
 
 
 def _check_same_dims(m: ModelConfig, expect: ModelConfig, src) -> None:
-    ignore = {"dtype", "gdn_chunk_size"}
+    ignore = {"dtype", "gdn_chunk_size", "attention_block", "make_vocab_size_divisible_by"}
     a, b = dataclasses.asdict(m), dataclasses.asdict(expect)
     diff = {k: (a[k], b[k]) for k in a if k not in ignore and a[k] != b[k]}
     if diff:
         raise CheckpointError(f"{src}: checkpoint config differs from the run config: "
                               + ", ".join(f"{k}={v[0]} (config says {v[1]})" for k, v in diff.items()))
 
+
+def dump_hf_tensors(model, m: ModelConfig, path: str | Path, grads: bool = False, log=print) -> int | None:
+    """Write the model's full tensors (or gradients) under Hugging Face names to one safetensors file
+    on rank 0, one mapping rule at a time (collective; rank 0 holds one rule's tensors at most).
+    Returns the bytes written on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    from longstraw_mcore.checkpoint.safetensors_stream import SafetensorsWriter
+
+    mapping = get_family(m.family).mapping
+    rules = mapping.rules(m)
+    shapes = mapping.hf_shapes(m)
+    # dtype of each canonical tensor (what a gradient is kept in differs from the parameter's)
+    local = {}
+    for p_key, t in _local_dtypes(model, grads).items():
+        local[p_key] = t
+    every = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if len(every) > 1:
+        dist.all_gather_object(every, local)
+    else:
+        every = [local]
+    dtypes = {k: v for d in every for k, v in d.items()}
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    writer = None
+    if rank0:
+        entries = [(name, dtypes[r.mcore[0]], shapes[name]) for r in rules for name in r.hf]
+        writer = SafetensorsWriter(path, entries)
+    order = [k for r in rules for k in r.mcore]
+    stream = stream_full(model, grads=grads, dst=0, order=order)
+    total = 0
+    try:
+        for r in rules:
+            got = {}
+            for _ in r.mcore:
+                key, t = next(stream)
+                got[key] = t
+            if rank0:
+                outs = mapping.mcore_to_hf({k: got[k] for k in r.mcore}, m, only=r)
+                for name in r.hf:
+                    writer.write(name, outs[name])
+                    total += outs[name].numel() * outs[name].element_size()
+        if rank0:
+            writer.close()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if rank0:
+        log(f"[dump] wrote {len(shapes)} {'gradients' if grads else 'tensors'} ({total / 2**20:.1f} MiB) to {path}")
+    return total if rank0 else None
+
+
+def _local_dtypes(model, grads: bool) -> dict[str, torch.dtype]:
+    from longstraw_mcore.checkpoint.full_state import _entries, _leaves
+
+    out = {}
+    for e in _entries(model):
+        t = e.data
+        if grads:
+            g = getattr(t, "main_grad", None) if getattr(t, "grad", None) is None else t.grad
+            t = t if g is None else g
+        for leaf in _leaves(e)[0]:
+            out[leaf.key] = t.dtype
+    return out

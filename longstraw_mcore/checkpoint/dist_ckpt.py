@@ -21,7 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from longstraw_mcore.checkpoint.full_state import expected_keys
-from longstraw_mcore.checkpoint.qwen3_5 import CheckpointError
+from longstraw_mcore.checkpoint.common import CheckpointError
 from longstraw_mcore.config import ModelConfig, model_config_from_dict
 
 CONFIG_FILE = "longstraw_model.json"
@@ -57,21 +57,26 @@ def _publish(dst: Path, tmp: Path, meta: dict) -> None:
     os.replace(tmp, dst)
 
 
-def _meta(model_cfg: ModelConfig, layout: dict, extra: dict | None) -> dict:
+def meta_dict(model_cfg: ModelConfig, layout: dict, extra: dict | None) -> dict:
     return {"format": FORMAT, "model": dataclasses.asdict(model_cfg), "layout": layout, **(extra or {})}
+
+
+def write_model_shards(model, directory: str | Path) -> None:
+    """Every rank writes its shards of `model` into the existing empty `directory` (collective)."""
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(model.sharded_state_dict(), str(directory))
 
 
 def save_checkpoint(model, directory: str | Path, model_cfg: ModelConfig, layout: dict, extra: dict | None = None):
     """Save a (possibly TP/PP-sharded) model from every rank of the world."""
-    from megatron.core import dist_checkpointing
-
     dst = Path(directory).resolve()
     tmp = dst.parent / f".{dst.name}.partial"
     _rank0_check(lambda: _prepare_dir(dst, tmp))
     dist.barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
+    write_model_shards(model, tmp)
     dist.barrier()
-    _rank0_check(lambda: _publish(dst, tmp, _meta(model_cfg, layout, extra)))
+    _rank0_check(lambda: _publish(dst, tmp, meta_dict(model_cfg, layout, extra)))
     dist.barrier()
     return dst
 
@@ -93,7 +98,7 @@ def save_full_tensors(tensors: dict, directory: str | Path, model_cfg: ModelConf
     try:
         sharded = {k: ShardedTensor.from_rank_offsets(k, t.contiguous(), replica_id=0) for k, t in tensors.items()}
         dist_checkpointing.save(sharded, str(tmp))
-        _publish(dst, tmp, _meta(model_cfg, {"tp": 1, "pp": 1, "cp": 1, "dp": 1, "world_size": 1}, extra))
+        _publish(dst, tmp, meta_dict(model_cfg, {"tp": 1, "pp": 1, "cp": 1, "dp": 1, "world_size": 1}, extra))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -124,16 +129,19 @@ def read_checkpoint_meta(directory: str | Path) -> tuple[ModelConfig, dict]:
 
 
 def check_against_model(model, directory: str | Path) -> None:
-    """Every tensor the model needs is in the checkpoint with the right global shape."""
+    """Every tensor the model needs is in the checkpoint with the right global shape (vocabulary
+    tensors: any padding that holds the true vocabulary; Megatron loads them with allow_shape_mismatch)."""
     from megatron.core import dist_checkpointing
 
     stored = dist_checkpointing.load_tensors_metadata(str(directory))
-    for key, shape in expected_keys(model).items():
+    for key, (shape, true_rows) in expected_keys(model, with_true_rows=True).items():
         if key not in stored:
             raise CheckpointError(f"{directory}: checkpoint has no tensor {key!r}")
         got = tuple(stored[key].global_shape)
-        if got != shape:
-            raise CheckpointError(f"{directory}: tensor {key!r} has shape {got}, the model expects {shape}")
+        ok = got == shape if true_rows is None else (got[1:] == shape[1:] and got[0] >= true_rows)
+        if not ok:
+            want = shape if true_rows is None else (f"({true_rows} or more, {', '.join(map(str, shape[1:]))})")
+            raise CheckpointError(f"{directory}: tensor {key!r} has shape {got}, the model expects {want}")
 
 
 def load_checkpoint(model, directory: str | Path) -> None:

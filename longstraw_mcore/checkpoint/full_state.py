@@ -3,15 +3,25 @@
 The model's own `sharded_state_dict()` says where each local tensor sits in the global one
 (`ShardedTensor.global_offset`, or a `ShardedTensorFactory` such as Megatron's SwiGLU fc1 layout),
 so one mechanism serves every layer type, including ours; no per-layer slicing rules are repeated
-here. `load_full` writes this rank's slices; `gather_full` assembles full tensors of the parameters
-(or of their gradients) on every rank.
+here.
+- `load_full` writes this rank's slices, reading only those slices from a source that can read
+  slices (a lazy Hugging Face directory reads just the rank's rows/columns from safetensors);
+- `stream_full` hands full tensors (parameters or gradients) to one rank, one key at a time
+  (validation dumps of a large model: no rank ever holds more than one full tensor plus its own shards);
+- `gather_full` assembles every full tensor on every rank (tests and small models).
+Vocabulary tensors are padded in the model (Megatron's `make_vocab_size_divisible_by`; their
+sharded tensors carry `allow_shape_mismatch`): full tensors here always have the *true* vocabulary
+(`model.vocab_size` rows), padded rows are zero-filled on load and dropped on gather.
 """
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor, ShardedTensorFactory,
+                                                      is_main_replica)
 
 
 def _entries(model) -> list[ShardedTensor | ShardedTensorFactory]:
@@ -50,22 +60,51 @@ def _leaves(entry):
     return [entry], lambda ts: ts[0]
 
 
-def expected_keys(model) -> dict[str, tuple[int, ...]]:
-    """Canonical key -> global shape of every tensor this rank holds a piece of."""
+def _true_rows(model, leaf) -> int | None:
+    """Rows of the unpadded tensor for a padded (vocabulary) leaf; None for every other leaf."""
+    return int(model.vocab_size) if getattr(leaf, "allow_shape_mismatch", False) else None
+
+
+def _global_shape(model, leaf) -> tuple[int, ...]:
+    shape = tuple(leaf.global_shape[leaf.prepend_axis_num:])
+    rows = _true_rows(model, leaf)
+    return shape if rows is None else (rows,) + shape[1:]
+
+
+def expected_keys(model, with_true_rows: bool = False) -> dict:
+    """Canonical key -> global shape (padded) of every tensor this rank holds a piece of; with
+    `with_true_rows`, key -> (padded shape, true row count or None)."""
     out = {}
     for e in _entries(model):
         for leaf in _leaves(e)[0]:
-            out[leaf.key] = tuple(leaf.global_shape[leaf.prepend_axis_num:])
+            shape = tuple(leaf.global_shape[leaf.prepend_axis_num:])
+            out[leaf.key] = (shape, _true_rows(model, leaf)) if with_true_rows else shape
     return out
+
+
+def read_slice(full, key: str, sl: tuple[slice, ...]) -> torch.Tensor:
+    """`full[key][sl]`, read as a slice when the source can (lazy checkpoint readers)."""
+    return full.read(key, sl) if hasattr(full, "read") else full[key][sl]
+
+
+def _local_piece(full, key: str, sl: tuple[slice, ...], rows: int | None, like: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a full tensor of `rows` true rows; rows past them (padding) are zeros."""
+    if rows is None or sl[0].stop <= rows:
+        return read_slice(full, key, sl)
+    piece = torch.zeros(tuple(s.stop - s.start for s in sl), dtype=like.dtype)
+    if sl[0].start < rows:
+        have = read_slice(full, key, (slice(sl[0].start, rows),) + sl[1:])
+        piece[:rows - sl[0].start] = have.to(piece.dtype)
+    return piece
 
 
 @torch.no_grad()
 def load_full(model, full) -> None:
-    """Copy this rank's slices of `full` (canonical key -> full tensor; a dict or a lazy mapping with
-    `.shape(key)`, read key by key) into the model's parameters.
+    """Copy this rank's slices of `full` (canonical key -> full tensor; a dict, or a lazy mapping with
+    `.shape(key)` and optionally `.read(key, slices)`) into the model's parameters.
 
     Every key/shape is checked before anything is written, so a bad checkpoint leaves the model as it was."""
-    from longstraw_mcore.checkpoint.qwen3_5 import CheckpointError, shape_of
+    from longstraw_mcore.checkpoint.common import CheckpointError, shape_of
 
     entries = _entries(model)
     plan = []
@@ -74,21 +113,19 @@ def load_full(model, full) -> None:
         for leaf in leaves:
             if leaf.key not in full:
                 raise CheckpointError(f"checkpoint has no tensor {leaf.key!r} (needed by this model)")
-            gshape = tuple(leaf.global_shape[leaf.prepend_axis_num:])
+            gshape = _global_shape(model, leaf)
             if shape_of(full, leaf.key) != gshape:
                 raise CheckpointError(f"tensor {leaf.key!r} has shape {shape_of(full, leaf.key)}, the model "
                                       f"expects {gshape}")
         plan.append((e, leaves, merge))
     for e, leaves, merge in plan:
-        local = merge([full[leaf.key][_slices(leaf)] for leaf in leaves])
+        local = merge([_local_piece(full, leaf.key, _slices(leaf), _true_rows(model, leaf), e.data) for leaf in leaves])
         e.data.copy_(local.to(e.data.dtype))
 
 
-def gather_full(model, grads: bool = False, group=None) -> dict[str, torch.Tensor]:
-    """Full tensors (params, or their gradients with `grads=True`) on every rank of `group` (default: world).
-
-    Pieces travel with `all_gather_object`: meant for tests, validation dumps and small models."""
-    pieces = []
+def _pieces(model, grads: bool, main_only: bool) -> list[tuple[str, tuple[int, ...], tuple[slice, ...], torch.Tensor]]:
+    """(key, true global shape, slices, local data) of this rank's pieces (gradients with `grads`)."""
+    out = []
     for e in _entries(model):
         t = e.data
         if grads:
@@ -97,26 +134,75 @@ def gather_full(model, grads: bool = False, group=None) -> dict[str, torch.Tenso
                 t = torch.zeros_like(e.data)
         leaves, _ = _leaves(e)
         if isinstance(e, ShardedTensorFactory):
-            built_leaves = _leaves(ShardedTensorFactory(e.key, t, e.build_fn, e.merge_fn, e.replica_id,
-                                                        e.flattened_range))[0]
+            data = [bl.data for bl in _leaves(ShardedTensorFactory(e.key, t, e.build_fn, e.merge_fn, e.replica_id,
+                                                                   e.flattened_range))[0]]
         else:
-            built_leaves = [leaves[0]]
-        for leaf, bl in zip(leaves, built_leaves):
-            data = bl.data if isinstance(e, ShardedTensorFactory) else t
-            pieces.append((leaf.key, tuple(leaf.global_shape[leaf.prepend_axis_num:]), _slices(leaf),
-                           data.detach().cpu()))
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, pieces, group=group)
-        pieces = [p for rank_pieces in gathered for p in rank_pieces]
+            data = [t]
+        for leaf, d in zip(leaves, data):
+            if main_only and not is_main_replica(leaf.replica_id):
+                continue
+            sl = _slices(leaf)
+            rows = _true_rows(model, leaf)
+            if rows is not None:  # drop padded rows
+                keep = max(0, min(sl[0].stop, rows) - sl[0].start)
+                d, sl = d[:keep], (slice(sl[0].start, sl[0].start + keep),) + sl[1:]
+            out.append((leaf.key, _global_shape(model, leaf), sl, d.detach()))
+    return out
+
+
+def _assemble(pieces) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     covered: dict[str, torch.Tensor] = {}
     for key, gshape, sl, data in pieces:
         if key not in out:
             out[key] = torch.zeros(gshape, dtype=data.dtype)
             covered[key] = torch.zeros(gshape, dtype=torch.bool)
-        out[key][sl] = data
+        out[key][sl] = data.cpu()
         covered[key][sl] = True
     holes = [k for k, c in covered.items() if not bool(c.all())]
     assert not holes, f"no rank holds some elements of {holes[:3]}: the gathered tensors would be incomplete"
     return out
+
+
+def gather_full(model, grads: bool = False, group=None) -> dict[str, torch.Tensor]:
+    """Full tensors (params, or their gradients with `grads=True`) on every rank of `group` (default: world).
+
+    Pieces travel with `all_gather_object`: meant for tests and small models (`stream_full` otherwise)."""
+    pieces = [(k, s, sl, d.cpu()) for k, s, sl, d in _pieces(model, grads, main_only=False)]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, pieces, group=group)
+        pieces = [p for rank_pieces in gathered for p in rank_pieces]
+    return _assemble(pieces)
+
+
+def stream_full(model, grads: bool = False, dst: int = 0,
+                order: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(canonical key, full tensor) one key at a time, the tensor on rank `dst` only (None elsewhere),
+    in `order` (every key of the model, e.g. mapping-rule order) or the ranks' own order.
+
+    Collective: every rank iterates to the end. Only main replicas send (a data-parallel or
+    TP-replicated copy is not sent twice); rank `dst` holds one full tensor at a time."""
+    mine: dict[str, list] = {}
+    for key, gshape, sl, d in _pieces(model, grads, main_only=True):
+        mine.setdefault(key, []).append((gshape, sl, d))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        keys = list(mine)
+    else:
+        every = [None] * world
+        dist.all_gather_object(every, sorted(mine))
+        keys = list(dict.fromkeys(k for rank_keys in every for k in rank_keys))  # one order on every rank
+    if order is not None:
+        assert set(order) == set(keys), f"order misses {sorted(set(keys) - set(order))[:3]}, " \
+                                        f"has extra {sorted(set(order) - set(keys))[:3]}"
+        keys = list(order)
+    if world == 1:
+        for key in keys:
+            yield key, _assemble([(key, g, sl, d) for g, sl, d in mine[key]])[key]
+        return
+    rank = dist.get_rank()
+    for key in keys:
+        box = [None] * world if rank == dst else None
+        dist.gather_object([(g, sl, d.cpu()) for g, sl, d in mine.get(key, [])], box, dst=dst)
+        yield key, (_assemble([(key, g, sl, d) for ps in box for g, sl, d in ps])[key] if rank == dst else None)

@@ -18,11 +18,14 @@ from pathlib import Path
 
 import torch
 
-from longstraw_mcore.checkpoint.qwen3_5 import CheckpointError
+from longstraw_mcore.checkpoint.common import CheckpointError
 from longstraw_mcore.config import ModelConfig
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
-_TORCH_DTYPES = {"float32": "float32", "float64": "float64", "bfloat16": "bfloat16", "float16": "bfloat16"}
+_TORCH_DTYPES = ("float32", "float64", "bfloat16", "float16")
+_REQUIRED = ("num_hidden_layers", "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+             "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+             "linear_value_head_dim")
 
 
 def read_config(path: str | Path) -> tuple[ModelConfig, dict]:
@@ -37,6 +40,10 @@ def read_config(path: str | Path) -> tuple[ModelConfig, dict]:
         raise CheckpointError(f"{d}: architecture {archs or raw.get('model_type')!r} is not supported; "
                               f"expected one of {list(ARCHITECTURES)}")
     text = raw.get("text_config", raw)
+    missing = [k for k in _REQUIRED if k not in text]
+    if missing:
+        where = "text_config" if "text_config" in raw else "config.json"
+        raise CheckpointError(f"{cfg_file}: {where} lacks required field(s) {missing}")
     if text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)):
         raise CheckpointError(f"{d}: tie_word_embeddings=true; the Qwen3.6 family has an untied lm_head")
     n = text["num_hidden_layers"]
@@ -52,8 +59,10 @@ def read_config(path: str | Path) -> tuple[ModelConfig, dict]:
             raise CheckpointError(f"{d}: layer_types is not periodic (every {interval}th layer full attention); "
                                   "irregular layer patterns are not supported")
     rope = text.get("rope_parameters") or {}
-    dtype = _TORCH_DTYPES.get(str(text.get("dtype", text.get("torch_dtype", raw.get("torch_dtype", "bfloat16")))),
-                              "bfloat16")
+    dtype = str(text.get("dtype", text.get("torch_dtype", raw.get("dtype", raw.get("torch_dtype", "bfloat16")))))
+    dtype = dtype.removeprefix("torch.")
+    if dtype not in _TORCH_DTYPES:
+        raise CheckpointError(f"{cfg_file}: dtype {dtype!r} is not one of {list(_TORCH_DTYPES)}")
     m = ModelConfig(
         family="qwen3_5", vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
         intermediate_size=text["intermediate_size"], num_layers=n, full_attention_interval=interval,
@@ -80,7 +89,8 @@ def _text_key(key: str) -> str | None:
 
 class SafetensorsDir(Mapping):
     """The text-decoder tensors of an HF directory under their `Qwen3_5ForCausalLM` names, read on
-    access (one tensor at a time); shapes come from the file headers without reading data."""
+    access (one tensor at a time), or only a slice of one (`read`: a TP rank reads its shard);
+    shapes come from the file headers without reading data. `bytes_read` counts what was read."""
 
     def __init__(self, path: str | Path):
         from safetensors import safe_open
@@ -92,6 +102,7 @@ class SafetensorsDir(Mapping):
         self._where: dict[str, tuple[str, str]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self.skipped: list[str] = []
+        self.bytes_read = 0
         for f in files:
             with safe_open(str(f), framework="pt") as fh:
                 for key in fh.keys():
@@ -107,10 +118,25 @@ class SafetensorsDir(Mapping):
 
         f, key = self._where[name]
         with safe_open(f, framework="pt") as fh:
-            return fh.get_tensor(key)
+            t = fh.get_tensor(key)
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def read(self, name: str, sl: tuple[slice, ...]) -> torch.Tensor:
+        """Only `tensor[sl]` of `name` (contiguous slices per dimension) is read from disk."""
+        from safetensors import safe_open
+
+        f, key = self._where[name]
+        with safe_open(f, framework="pt") as fh:
+            t = fh.get_slice(key)[tuple(sl)]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shapes[name]
+
+    def __contains__(self, name) -> bool:  # Mapping's default would read the tensor
+        return name in self._where
 
     def __iter__(self):
         return iter(self._where)

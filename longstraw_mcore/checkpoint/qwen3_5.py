@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from longstraw_mcore.checkpoint.common import CheckpointError, shape_of  # noqa: F401 - re-exported
 from longstraw_mcore.config import ModelConfig
 
 
@@ -119,15 +120,6 @@ def hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class CheckpointError(ValueError):
-    """A checkpoint does not match the model: names the tensor and the expected/actual shapes."""
-
-
-def shape_of(tensors: Mapping, key: str) -> tuple[int, ...]:
-    """Shape without reading data when the mapping can tell it (lazy checkpoint readers)."""
-    return tuple(tensors.shape(key)) if hasattr(tensors, "shape") else tuple(tensors[key].shape)
-
-
 def check_hf_tensors(tensors: Mapping, m: ModelConfig, where: str = "checkpoint") -> None:
     expected = hf_shapes(m)
     missing = sorted(set(expected) - set(tensors))
@@ -142,7 +134,10 @@ def check_hf_tensors(tensors: Mapping, m: ModelConfig, where: str = "checkpoint"
 
 class LazyCanonical(Mapping):
     """Canonical Megatron tensors computed on access from (possibly lazy) HF tensors, one rule at a
-    time: loading a sharded model reads each HF tensor once and holds at most one rule's tensors."""
+    time: loading a sharded model reads each HF tensor once and holds at most one rule's tensors.
+
+    `read(key, slices)` reads only a slice of a canonical tensor, mapped through its rule to slices
+    of the HF tensors (a rank reads just its shard when the source reads slices: `SafetensorsDir`)."""
 
     def __init__(self, hf: Mapping, m: ModelConfig, where: str = "checkpoint"):
         check_hf_tensors(hf, m, where)
@@ -157,6 +152,29 @@ class LazyCanonical(Mapping):
             self._cache = (r, dict(zip(r.mcore, outs)))
         return self._cache[1][key]
 
+    def read(self, key: str, sl: tuple[slice, ...]) -> torch.Tensor:
+        r = self._rule_of[key]
+        j = r.mcore.index(key)
+        rows, rest = sl[0], tuple(sl[1:])
+        if r.transform == "identity":
+            return _hf_read(self._hf, r.hf[j], sl)
+        if r.transform in ("split_rows", "split_conv"):  # canonical piece j = HF rows [off_j, off_j + n_j)
+            off = sum(_sizes(self._m)[:j])
+            hf_rows = slice(off + rows.start, off + rows.stop)
+            if r.transform == "split_rows":
+                return _hf_read(self._hf, r.hf[0], (hf_rows,) + rest)
+            return _hf_read(self._hf, r.hf[0], (hf_rows, slice(0, 1)) + rest).squeeze(1)
+        if r.transform == "concat_rows":  # canonical rows [0, n0) from HF tensor 0, [n0, n0 + n1) from 1
+            parts, start = [], 0
+            for name in r.hf:
+                n = shape_of(self._hf, name)[0]
+                a, b = max(rows.start, start), min(rows.stop, start + n)
+                if a < b:
+                    parts.append(_hf_read(self._hf, name, (slice(a - start, b - start),) + rest))
+                start += n
+            return torch.cat(parts, 0)
+        raise KeyError(r.transform)
+
     def shape(self, key: str) -> tuple[int, ...]:
         r = self._rule_of[key]
         shapes = [shape_of(self._hf, k) for k in r.hf]
@@ -167,11 +185,18 @@ class LazyCanonical(Mapping):
         rows = _sizes(self._m)[r.mcore.index(key)]
         return (rows,) + (shapes[0][1:] if r.transform == "split_rows" else shapes[0][2:])
 
+    def __contains__(self, key) -> bool:  # Mapping's default would compute (read) the tensor
+        return key in self._rule_of
+
     def __iter__(self):
         return iter(self._rule_of)
 
     def __len__(self) -> int:
         return len(self._rule_of)
+
+
+def _hf_read(hf: Mapping, name: str, sl: tuple[slice, ...]) -> torch.Tensor:
+    return hf.read(name, sl) if hasattr(hf, "read") else hf[name][sl]
 
 
 def hf_to_mcore(hf: Mapping, m: ModelConfig, where: str = "checkpoint") -> dict[str, torch.Tensor]:
@@ -180,10 +205,11 @@ def hf_to_mcore(hf: Mapping, m: ModelConfig, where: str = "checkpoint") -> dict[
     return {k: lazy[k] for k in lazy}
 
 
-def mcore_to_hf(mc: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+def mcore_to_hf(mc: dict[str, torch.Tensor], m: ModelConfig, only: Rule | None = None) -> dict[str, torch.Tensor]:
+    """Canonical Megatron tensors -> HF tensors (every rule, or `only` one of them)."""
     out = {}
     F = m.intermediate_size
-    for r in rules(m):
+    for r in ([only] if only is not None else rules(m)):
         missing = [k for k in r.mcore if k not in mc]
         if missing:
             raise CheckpointError(f"Megatron state: missing tensor(s) {missing}")

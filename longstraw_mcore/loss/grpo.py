@@ -20,7 +20,7 @@ from longstraw_mcore.config import GRPOConfig
 
 def advantages(rewards: list[float], cfg: GRPOConfig) -> torch.Tensor | None:
     """Per-branch advantages in float64, or None when all rewards are equal (zero advantage)."""
-    r = torch.tensor(rewards, dtype=torch.float64)
+    r = torch.tensor(rewards, dtype=torch.float64, device="cpu")  # host-side scalars
     if len(rewards) < 2 or bool((r == r[0]).all()):
         return None
     a = r - r.mean()

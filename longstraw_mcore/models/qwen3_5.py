@@ -8,7 +8,15 @@ embedding Megatron's vocab-parallel `LanguageModelEmbedding`, the untied output 
 `ColumnParallelLinear` whose logits stay vocab-parallel. No Megatron class is forked.
 
 Cached prompt state reaches the mixers through Megatron's `inference_context` argument as a
-`StateContext` (models/mixers/state.py); nothing else in the model knows about branch replay.
+context (models/mixers/state.py, prompt_state/contexts.py); nothing else in the model knows about
+branch replay. The replay engine reaches the model only through `ReplayModelMixin`
+(models/replay_interface.py).
+
+The vocabulary is padded as Megatron pads it (`model.make_vocab_size_divisible_by` x tp): the
+embedding and output layer have V_pad rows, the padded rows are never looked up and their logits
+are masked out of every log-prob (loss/logprobs.py), so they get no gradient; checkpoints record
+the padded tensors with `allow_shape_mismatch` (any padding loads), conversion and gathered
+tensors carry the true vocabulary.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from longstraw_mcore.models.mixers.gated_attention import GatedAttentionMixer, G
 from longstraw_mcore.models.mixers.gated_deltanet import GatedDeltaNetMixer, GatedDeltaNetSubmodules
 from longstraw_mcore.models.mixers.state import StateContext
 from longstraw_mcore.models.norms import ZeroCenteredRMSNorm
+from longstraw_mcore.models.replay_interface import ReplayModelMixin
 
 
 def transformer_config(m: ModelConfig, p: ParallelConfig, device: str) -> TransformerConfig:
@@ -85,11 +94,12 @@ def block_spec(m: ModelConfig, pp_rank: int, pp_size: int) -> TransformerBlockSu
                                       layer_norm=ZeroCenteredRMSNorm)
 
 
-class Qwen35HybridModel(LanguageModule):
+class Qwen35HybridModel(ReplayModelMixin, LanguageModule):
     """Embedding (first stage) -> hybrid TransformerBlock -> final norm + output layer (last stage).
 
-    forward returns vocab-parallel logits `[B, S, V/tp]` on the last stage, hidden states `[S, B, Hd]`
-    elsewhere (Megatron's pipeline contract)."""
+    forward returns vocab-parallel logits `[B, S, V_pad/tp]` on the last stage (columns at or beyond
+    `model_cfg.vocab_size` are padding), hidden states `[S, B, Hd]` elsewhere (Megatron's pipeline
+    contract)."""
 
     def __init__(self, config: TransformerConfig, model_cfg: ModelConfig, pg_collection,
                  pre_process: bool = True, post_process: bool = True):
@@ -99,8 +109,9 @@ class Qwen35HybridModel(LanguageModule):
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = False
         self.vocab_size = model_cfg.vocab_size
+        self.padded_vocab_size = model_cfg.padded_vocab_size(pg_collection.tp.size())
         if pre_process:
-            self.embedding = LanguageModelEmbedding(config=config, vocab_size=model_cfg.vocab_size,
+            self.embedding = LanguageModelEmbedding(config=config, vocab_size=self.padded_vocab_size,
                                                     max_sequence_length=1, position_embedding_type="none",
                                                     tp_group=pg_collection.tp)
         spec = block_spec(model_cfg, pg_collection.pp.rank(), pg_collection.pp.size())
@@ -108,7 +119,7 @@ class Qwen35HybridModel(LanguageModule):
                                         post_process=post_process, pg_collection=pg_collection)
         if post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size, model_cfg.vocab_size, config=config, init_method=config.init_method,
+                config.hidden_size, self.padded_vocab_size, config=config, init_method=config.init_method,
                 bias=False, skip_bias_add=False, gather_output=False, tp_group=pg_collection.tp)
         self.setup_embeddings_and_output_layer()
 
@@ -146,8 +157,9 @@ def build_model(model_cfg: ModelConfig, parallel, device: str) -> Qwen35HybridMo
     return model
 
 
-def gather_vocab(logits_local: torch.Tensor, tp_group) -> torch.Tensor:
-    """[..., V/tp] -> [..., V] (for tests and small outputs; training never materialises full logits)."""
-    if tp_group.size() == 1:
-        return logits_local
-    return tensor_parallel.gather_from_tensor_model_parallel_region(logits_local, group=tp_group)
+def gather_vocab(logits_local: torch.Tensor, tp_group, vocab_size: int | None = None) -> torch.Tensor:
+    """[..., V_pad/tp] -> [..., V_pad], or [..., vocab_size] without the padding (for tests and small
+    outputs; training never materialises full logits)."""
+    full = logits_local if tp_group.size() == 1 else \
+        tensor_parallel.gather_from_tensor_model_parallel_region(logits_local, group=tp_group)
+    return full if vocab_size is None else full[..., :vocab_size]

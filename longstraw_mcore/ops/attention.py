@@ -1,35 +1,138 @@
-"""Partial RoPE, and the plain-torch reference twin of blockwise attention (block_attention.py).
+"""Softmax attention: the one entry point the models call, and its plain reference twin.
+
+    attention(q, key_sets, q_start) -> (out, lse)
+
+is one causal softmax of the queries over the union of several key sets (the prompt state, the
+branch's own keys, later other context-parallel ranks' shards), each a `KeySet` at its own absolute
+start position. It runs as one autograd node (`_MergedAttention`): the forward computes each set's
+partial (out_j, lse_j) and merges them by log-sum-exp in >= float32; the backward calls each set's
+backward with the *merged* out and lse (the ring-attention recipe: p_ij = exp(s_ij - lse_i) on set j,
+row term delta_i = rowsum(dO_i * O_i) - dlse_i shared by all sets), so only the merged output is
+saved, not one output per set. A set that carries `grad` accumulators (prompt K/V in exact mode)
+receives its dK/dV there instead of through autograd: no full-size gradient temporary per call, and
+the accumulation dtype is the accumulators' (float32, float64 under float64).
+Capture needs no merge: one causal call over the state buffer.
+
+The partial kernels are `ops/block_attention.py` (plain torch: the CPU path and the reference for any
+fused kernel); a CUDA kernel plugs in behind `_kernel()` without touching callers.
 
 `cached_causal_attention` materialises the full score matrix against concatenated keys: simple and
-obviously right, it is what the blockwise kernel is tested against (tests/unit/test_block_attention.py).
+obviously right, it is what the blockwise kernels are tested against (tests/unit/test_block_attention.py).
+`rope_cos_sin` / `apply_partial_rope` are re-exported from ops/rope.py.
 
 Legend: B batch, T new tokens, P cached (earlier) positions, Hq query heads, Hk key/value heads,
-D head dim. New token i sits at absolute position P + i and attends cached positions 0..P-1 and new
-positions 0..i. Scores and softmax run in at least float32 (float64 under float64).
+D head dim. Scores and softmax run in at least float32 (float64 under float64).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from longstraw_mcore.ops import block_attention as plain
+from longstraw_mcore.ops.rope import apply_partial_rope, rope_cos_sin
 
-def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin [T, rotary_dim] for integer `positions` [T] (half-split layout, as `rotate_half`)."""
-    work = torch.float64 if dtype == torch.float64 else torch.float32
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=work, device=positions.device) / rotary_dim))
-    freqs = positions.to(work)[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+__all__ = ["KeySet", "attention", "cached_causal_attention", "apply_partial_rope", "rope_cos_sin"]
 
 
-def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first `rotary_dim` dims of x [B, T, H, D] (cos/sin [T, rotary_dim]); pass the rest."""
-    r = cos.shape[-1]
-    x_rot, x_pass = x[..., :r], x[..., r:]
-    half = r // 2
-    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.cat([x_rot * c + rotated * s, x_pass], dim=-1)
+@dataclass
+class KeySet:
+    """Keys/values [Bk, S, Hk, D] whose key 0 sits at absolute position `start` (Bk = 1 serves every
+    query row). `grad = (acc_k, acc_v)`: >= float32 accumulators shaped like k/v that receive dK/dV
+    (state gradients); otherwise gradients flow to k/v through autograd when they require them.
+    `store_probs`: keep this set's probabilities for the backward (no score recompute; O(T * S))."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    start: int
+    grad: tuple[torch.Tensor, torch.Tensor] | None = None
+    store_probs: bool = False
+
+    def __post_init__(self):
+        assert self.k.dim() == 4 and self.k.shape[:3] == self.v.shape[:3], (self.k.shape, self.v.shape)
+
+
+def _kernel(q: torch.Tensor):
+    """The partial kernels for these queries: the plain-torch twin on every device for now (the GPU
+    fast path of the kernels issue dispatches here by device and dtype)."""
+    return plain
+
+
+class _MergedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, cfg, *kv):
+        q_start, scale, block, sets = cfg  # sets: ((start, grad, store), ...) per key set
+        kern = _kernel(q)
+        outs, lses, kept = [], [], []
+        for j, (start, _, store) in enumerate(sets):
+            o, lse, kp = kern.partial_forward(q, kv[2 * j], kv[2 * j + 1], q_start, start, scale, block, store)
+            outs.append(o)
+            lses.append(lse)
+            kept.append(kp)
+        if len(sets) == 1:
+            out, lse = outs[0], lses[0]
+        else:
+            lse = torch.logsumexp(torch.stack(lses), dim=0)
+            safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+            out = sum(o * torch.exp(l - safe)[..., None] for o, l in zip(outs, lses))
+        out = out.transpose(1, 2).to(q.dtype)                                     # [B,T,Hq,Dv]
+        lse = lse.transpose(1, 2).contiguous()                                    # [B,T,Hq]
+        # Stored probabilities are saved tensors too: freed by the backward unless retain_graph.
+        flat = [t for kp in kept if kp is not None for pair in kp.values() for t in pair]
+        ctx.save_for_backward(q, *kv, out, lse, *flat)
+        ctx.cfg, ctx.kept_keys = cfg, [None if kp is None else list(kp) for kp in kept]
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q_start, scale, block, sets = ctx.cfg
+        n = len(sets)
+        saved = ctx.saved_tensors
+        q, kv, out, lse, flat = saved[0], saved[1:1 + 2 * n], saved[1 + 2 * n], saved[2 + 2 * n], saved[3 + 2 * n:]
+        work = plain.work_dtype(q.dtype)
+        do = (torch.zeros_like(out) if dout is None else dout).to(work).transpose(1, 2)   # [B,Hq,T,Dv]
+        delta = (do * out.to(work).transpose(1, 2)).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.to(work).transpose(1, 2)
+        lse_h = lse.to(work).transpose(1, 2)
+        kern = _kernel(q)
+        need_q = ctx.needs_input_grad[0]
+        dq = None
+        grads = []
+        it = iter(flat)
+        for j, (start, sink, _) in enumerate(sets):
+            keys = ctx.kept_keys[j]
+            kept = None if keys is None else {key: (next(it), next(it)) for key in keys}
+            dqj, dk, dv = kern.partial_backward(q, kv[2 * j], kv[2 * j + 1], do, delta, lse_h, q_start, start,
+                                                scale, block, kept, need_q, ctx.needs_input_grad[2 + 2 * j],
+                                                ctx.needs_input_grad[3 + 2 * j], sink=sink)
+            if dqj is not None:
+                dq = dqj if dq is None else dq + dqj
+            grads += [None if dk is None else dk.transpose(1, 2).to(kv[2 * j].dtype),
+                      None if dv is None else dv.transpose(1, 2).to(kv[2 * j + 1].dtype)]
+        if need_q:
+            dq = torch.zeros_like(q) if dq is None else dq.transpose(1, 2).to(q.dtype)
+        return (dq, None, *grads)
+
+
+def attention(q: torch.Tensor, key_sets: list[KeySet], q_start: int, scale: float | None = None,
+              block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal softmax attention of q [B,T,Hq,D] (query i at `q_start + i`) over the union of
+    `key_sets`: (out [B,T,Hq,Dv] in q's dtype, lse [B,T,Hq] in >= float32), both differentiable."""
+    if not key_sets:
+        raise ValueError("attention: no key sets")
+    for ks in key_sets:
+        if q.shape[2] % ks.k.shape[2]:
+            raise ValueError(f"query heads {q.shape[2]} not a multiple of key heads {ks.k.shape[2]}")
+        if ks.k.shape[0] not in (1, q.shape[0]):
+            raise ValueError(f"key batch {ks.k.shape[0]} is neither 1 nor the query batch {q.shape[0]}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    # probabilities are only worth keeping for a backward (grad mode is off inside Function.forward)
+    store = torch.is_grad_enabled()
+    sets = tuple((int(ks.start), ks.grad, bool(ks.store_probs) and store) for ks in key_sets)
+    kv = [t for ks in key_sets for t in (ks.k, ks.v)]
+    return _MergedAttention.apply(q, (int(q_start), scale, int(block), sets), *kv)
 
 
 def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,22 +1,27 @@
-"""Blockwise softmax attention returning (out, lse), memory-bounded in both directions.
+"""Plain-torch blockwise attention kernels: one key set's forward partial and its backward given the
+*merged* output and log-sum-exp (FlashAttention-2's algorithm without a fused kernel).
 
 Legend: B batch, T queries, S keys, Hq query heads, Hk key/value heads (GQA: Hq/Hk queries per key
-head), D head dim. Positions are absolute: query i sits at `q_start + i`, key j at `k_start + j`;
-key j is visible to query i iff `k_start + j <= q_start + i` (causal; all earlier-prompt keys are
-visible to later queries).
+head), D head dim, b key/query block. Positions are absolute: query i sits at `q_start + i`, key j at
+`k_start + j`; key j is visible to query i iff `k_start + j <= q_start + i`.
 
-Forward walks the keys in blocks of `block` with an online softmax (never a [T, S] score matrix);
-backward recomputes each block's probabilities from the saved log-sum-exp (FlashAttention-2's
-algorithm in plain torch), so memory is O(T * block) either way. With `store_probs` the forward keeps
-each block's (unnormalised) probabilities instead, O(T * S) memory, and the backward skips the score
-recompute (one of its three matmuls per block when the keys are constants): the FLOP-minimal choice
-for a short branch against a prompt whose probabilities fit in memory. It returns the log-sum-exp as a
-differentiable output: attention over several key sets (prompt state, the branch itself, other CP
-ranks' shards) is one softmax over their union, obtained by `merge_attention` from per-set
-(out, lse) pairs. With lse differentiable, gradients w.r.t. every set's keys and values (the
-prompt-state gradients of exact mode) come out exact.
+`partial_forward` walks query blocks and, inside each, the key blocks it can see with an online
+softmax (never a [T, S] score matrix): O(T * b) memory. With `store` it keeps each block's
+unnormalised probabilities (relative to that block's running max) for the backward instead:
+O(T * S) memory, one matmul per block pair less in the backward.
 
-    ds_ij = p_ij * (dout_i . v_j - (dout_i . out_i - dlse_i))
+`partial_backward` recomputes each block's probabilities from the *global* log-sum-exp of the
+attention this key set is part of, so that with the global row term delta = rowsum(dO * O) - dlse
+    p_ij = exp(s_ij - lse_i),   ds_ij = p_ij (dO_i . v_j - delta_i)
+    dq_i += scale sum_j ds_ij k_j,   dk_j = scale sum_i ds_ij q_i,   dv_j = sum_i p_ij dO_i
+are this key set's exact share of the gradient of one softmax over the union of all key sets. A key
+set whose keys/values are state (the prompt K/V in exact mode) passes `sink`: its dK/dV are added
+block by block into those (>= float32) accumulators instead of being returned, so no full-size
+gradient temporary exists. Key sets with batch 1 serve every query batch row (their gradient is
+summed over the batch).
+
+`block_attention` / `merge_attention` compose partials by hand (tests, and collectives that merge
+partials across ranks); models call the single entry point `ops.attention.attention`.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 import torch
 
 
-def _work(dtype: torch.dtype) -> torch.dtype:
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -37,128 +42,132 @@ def _mask(T: int, nb: int, q_start: int, k0: int, device) -> torch.Tensor | None
     return kpos > qpos
 
 
-class _BlockAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, q_start: int, k_start: int, scale: float, block: int, store: bool):
-        B, T, Hq, D = q.shape
-        S, Hk = k.shape[1], k.shape[2]
-        rep = Hq // Hk
-        work = _work(q.dtype)
-        qh = q.to(work).transpose(1, 2) * scale                                   # [B,Hq,T,D]
-        m = torch.full((B, Hq, T), float("-inf"), dtype=work, device=q.device)
-        lsum = torch.zeros(B, Hq, T, dtype=work, device=q.device)
-        acc = torch.zeros(B, Hq, T, v.shape[-1], dtype=work, device=q.device)
-        kept = [] if store else None  # (p, the running max it is relative to) per block
+def _blocks(T: int, S: int, q_start: int, k_start: int, block: int):
+    """(t0, t1, s0, s1) for every (query block, key block) pair with at least one visible key."""
+    for t0 in range(0, T, block):
+        t1 = min(T, t0 + block)
         for s0 in range(0, S, block):
-            s1 = min(S, s0 + block)
-            if k_start + s0 > q_start + T - 1:
-                break  # this and later blocks are after every query
-            kb = k[:, s0:s1].to(work).transpose(1, 2).repeat_interleave(rep, 1)   # [B,Hq,b,D]
-            vb = v[:, s0:s1].to(work).transpose(1, 2).repeat_interleave(rep, 1)
-            sc = qh @ kb.transpose(-1, -2)
-            mk = _mask(T, s1 - s0, q_start, k_start + s0, q.device)
-            if mk is not None:
-                sc = sc.masked_fill(mk, float("-inf"))
-            m_new = torch.maximum(m, sc.amax(-1))
-            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-            p = torch.exp(sc - m_safe[..., None])
-            corr = torch.exp(m - m_safe)
-            lsum = lsum * corr + p.sum(-1)
-            acc = acc * corr[..., None] + p @ vb
-            m = m_new
-            if store:
-                kept.append((p, m_safe))
-        empty = lsum == 0
-        out = acc / torch.where(empty, torch.ones_like(lsum), lsum)[..., None]
-        lse = torch.where(empty, torch.full_like(m, float("-inf")), m + torch.log(torch.where(empty, torch.ones_like(lsum), lsum)))
-        out = out.transpose(1, 2).to(q.dtype)                                     # [B,T,Hq,D]
-        lse = lse.transpose(1, 2).contiguous()                                    # [B,T,Hq]
-        # Stored probabilities are saved tensors too: freed by the backward unless retain_graph.
-        ctx.store = store
-        ctx.save_for_backward(q, k, v, out, lse, *([t for pair in kept for t in pair] if store else []))
-        ctx.cfg = (q_start, k_start, scale, block)
-        return out, lse
+            if k_start + s0 > q_start + t1 - 1:
+                break  # this and later key blocks are after every query of the block
+            yield t0, t1, s0, min(S, s0 + block)
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, *flat = ctx.saved_tensors
-        q_start, k_start, scale, block = ctx.cfg
-        kept = list(zip(flat[0::2], flat[1::2])) if ctx.store else None
-        need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        B, T, Hq, D = q.shape
-        S, Hk = k.shape[1], k.shape[2]
-        rep = Hq // Hk
-        work = _work(q.dtype)
-        if dout is None:
-            dout = torch.zeros_like(out)
-        if dlse is None:
-            dlse = torch.zeros_like(lse)
-        qh = q.to(work).transpose(1, 2)
-        do = dout.to(work).transpose(1, 2)                                        # [B,Hq,T,D]
-        lse_h = lse.to(work).transpose(1, 2)                                      # [B,Hq,T]
-        lse_safe = torch.where(torch.isinf(lse_h), torch.zeros_like(lse_h), lse_h)
-        Dv = (do * out.to(work).transpose(1, 2)).sum(-1) - dlse.to(work).transpose(1, 2)
-        dq = torch.zeros_like(qh)
-        dk = torch.zeros(B, Hk, S, D, dtype=work, device=q.device)
-        dv = torch.zeros(B, Hk, S, v.shape[-1], dtype=work, device=q.device)
-        for s0 in range(0, S, block):
-            s1 = min(S, s0 + block)
-            if k_start + s0 > q_start + T - 1:
-                break
-            kb = k[:, s0:s1].to(work).transpose(1, 2).repeat_interleave(rep, 1)
-            vb = v[:, s0:s1].to(work).transpose(1, 2).repeat_interleave(rep, 1)
-            if kept is not None:  # stored in forward (masked entries are already 0)
-                p_blk, m_blk = kept[s0 // block]
-                p = p_blk * torch.exp(m_blk - lse_safe)[..., None]
+
+def _heads(x: torch.Tensor, s0: int, s1: int, rep: int, work) -> torch.Tensor:
+    """Rows s0:s1 of keys/values [Bk, S, Hk, D] as [Bk, Hq, b, D] in the work dtype."""
+    return x[:, s0:s1].to(work).transpose(1, 2).repeat_interleave(rep, 1)
+
+
+def partial_forward(q, k, v, q_start: int, k_start: int, scale: float, block: int, store: bool):
+    """One key set: (out [B,Hq,T,Dv] work dtype, lse [B,Hq,T] work dtype, kept or None).
+
+    Rows that see no key get out = 0 and lse = -inf. `kept[(t0, s0)] = (p, m)` when `store`."""
+    B, T, Hq, _ = q.shape
+    S, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    rep = Hq // Hk
+    work = work_dtype(q.dtype)
+    qh = q.to(work).transpose(1, 2) * scale                                       # [B,Hq,T,D]
+    out = torch.zeros(B, Hq, T, Dv, dtype=work, device=q.device)
+    lse = torch.full((B, Hq, T), float("-inf"), dtype=work, device=q.device)
+    kept = {} if store else None
+    state = {}  # per query block: running max, sum, accumulator
+    for t0, t1, s0, s1 in _blocks(T, S, q_start, k_start, block):
+        if t0 not in state:
+            state[t0] = (torch.full((B, Hq, t1 - t0), float("-inf"), dtype=work, device=q.device),
+                         torch.zeros(B, Hq, t1 - t0, dtype=work, device=q.device),
+                         torch.zeros(B, Hq, t1 - t0, Dv, dtype=work, device=q.device))
+        m, lsum, acc = state[t0]
+        sc = qh[:, :, t0:t1] @ _heads(k, s0, s1, rep, work).transpose(-1, -2)
+        mk = _mask(t1 - t0, s1 - s0, q_start + t0, k_start + s0, q.device)
+        if mk is not None:
+            sc = sc.masked_fill(mk, float("-inf"))
+        m_new = torch.maximum(m, sc.amax(-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(sc - m_safe[..., None])
+        corr = torch.exp(m - m_safe)
+        state[t0] = (m_new, lsum * corr + p.sum(-1), acc * corr[..., None] + p @ _heads(v, s0, s1, rep, work))
+        if store:
+            kept[(t0, s0)] = (p, m_safe)
+    for t0, (m, lsum, acc) in state.items():
+        t1 = t0 + m.shape[-1]
+        empty = lsum == 0
+        ones = torch.ones_like(lsum)
+        out[:, :, t0:t1] = acc / torch.where(empty, ones, lsum)[..., None]
+        lse[:, :, t0:t1] = torch.where(empty, torch.full_like(m, float("-inf")), m + torch.log(torch.where(empty, ones, lsum)))
+    return out, lse, kept
+
+
+def partial_backward(q, k, v, do, delta, lse, q_start: int, k_start: int, scale: float, block: int, kept,
+                     need_q: bool, need_k: bool, need_v: bool, sink=None):
+    """This key set's share of the gradient, given the merged attention's lse and delta.
+
+    do [B,Hq,T,Dv], delta / lse [B,Hq,T] (work dtype; lse the *merged* one). Returns (dq [B,Hq,T,D]
+    work or None, dk, dv [Bk,Hk,S,*] work or None). With `sink = (acc_k, acc_v)` ([Bk, S, Hk, *],
+    >= float32) dK/dV are added there block by block and (None, None) is returned for them."""
+    B, T, Hq, D = q.shape
+    Bk, S, Hk = k.shape[0], k.shape[1], k.shape[2]
+    rep = Hq // Hk
+    work = work_dtype(q.dtype)
+    if sink is not None:
+        assert Bk == 1 and sink[0].shape[:3] == (1, S, Hk) and sink[0].dtype in (torch.float32, torch.float64), \
+            (k.shape, sink[0].shape, sink[0].dtype)
+        need_k = need_v = True
+    qh = q.to(work).transpose(1, 2)
+    inf_rows = torch.isinf(lse)
+    lse_safe = torch.where(inf_rows, torch.zeros_like(lse), lse)
+    dq = torch.zeros_like(qh) if need_q else None
+    dk = torch.zeros(Bk, Hk, S, D, dtype=work, device=q.device) if need_k and sink is None else None
+    dv = torch.zeros(Bk, Hk, S, v.shape[-1], dtype=work, device=q.device) if need_v and sink is None else None
+
+    def fold(x):  # [B, Hq, b, *] -> [Bk, Hk, b, *]: sum the query heads of each kv head (and the batch)
+        x = x.reshape(B, Hk, rep, *x.shape[2:]).sum(2)
+        return x.sum(0, keepdim=True) if Bk == 1 and B > 1 else x
+
+    for t0, t1, s0, s1 in _blocks(T, S, q_start, k_start, block):
+        kb, vb = _heads(k, s0, s1, rep, work), _heads(v, s0, s1, rep, work)
+        if kept is not None:  # stored in forward (masked entries are already 0)
+            p_blk, m_blk = kept[(t0, s0)]
+            p = p_blk * torch.exp(m_blk - lse_safe[:, :, t0:t1])[..., None]
+        else:
+            p = torch.exp((qh[:, :, t0:t1] * scale) @ kb.transpose(-1, -2) - lse_safe[:, :, t0:t1, None])
+            mk = _mask(t1 - t0, s1 - s0, q_start + t0, k_start + s0, q.device)
+            if mk is not None:
+                p = p.masked_fill(mk, 0.0)
+        p = torch.where(inf_rows[:, :, t0:t1, None], torch.zeros_like(p), p)
+        dob = do[:, :, t0:t1]
+        ds = p * (dob @ vb.transpose(-1, -2) - delta[:, :, t0:t1, None])
+        if need_q:
+            dq[:, :, t0:t1] += (ds @ kb) * scale
+        # Keys/values that are constants (detached prompt state) get no gradient: 2 of 5 matmuls skipped.
+        if need_k:
+            g = fold((ds.transpose(-1, -2) @ qh[:, :, t0:t1]) * scale)
+            if sink is None:
+                dk[:, :, s0:s1] += g
             else:
-                sc = (qh * scale) @ kb.transpose(-1, -2)
-                p = torch.exp(sc - lse_safe[..., None])
-                mk = _mask(T, s1 - s0, q_start, k_start + s0, q.device)
-                if mk is not None:
-                    p = p.masked_fill(mk, 0.0)
-            p = torch.where(torch.isinf(lse_h)[..., None], torch.zeros_like(p), p)
-            dp = do @ vb.transpose(-1, -2)
-            ds = p * (dp - Dv[..., None])
-            if need_q:
-                dq += (ds @ kb) * scale
-            nb = s1 - s0
-            # Keys/values that are constants (detached prompt state) get no gradient: skip 2 of 5 matmuls.
-            if need_k:
-                dk[:, :, s0:s1] = ((ds.transpose(-1, -2) @ qh) * scale).reshape(B, Hk, rep, nb, D).sum(2)
-            if need_v:
-                dv[:, :, s0:s1] = (p.transpose(-1, -2) @ do).reshape(B, Hk, rep, nb, -1).sum(2)
-        return (dq.transpose(1, 2).to(q.dtype) if need_q else None,
-                dk.transpose(1, 2).to(k.dtype) if need_k else None,
-                dv.transpose(1, 2).to(v.dtype) if need_v else None, None, None, None, None, None)
+                sink[0][:, s0:s1] += g.transpose(1, 2)
+        if need_v:
+            g = fold(p.transpose(-1, -2) @ dob)
+            if sink is None:
+                dv[:, :, s0:s1] += g
+            else:
+                sink[1][:, s0:s1] += g.transpose(1, 2)
+    return dq, dk, dv
 
 
 def block_attention(q, k, v, q_start: int, k_start: int, scale: float | None = None, block: int = 1024,
                     store_probs: bool = False):
-    """(out [B,T,Hq,D], lse [B,T,Hq]) of q against keys k/v [B,S,Hk,D] at the given absolute starts.
+    """(out [B,T,Hq,D], lse [B,T,Hq]) of q against one key set k/v [B,S,Hk,D]; both differentiable.
 
-    Rows that see no key get out = 0 and lse = -inf (they drop out of `merge_attention`).
-    `store_probs`: keep the probabilities for the backward (B*Hq*T*S values in >= float32) instead of
-    recomputing the scores there; only meaningful under autograd."""
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"query heads {q.shape[2]} not a multiple of key heads {k.shape[2]}")
-    T = q.shape[1]
-    store = bool(store_probs and torch.is_grad_enabled())
-    if T <= block:
-        return _BlockAttention.apply(q, k, v, int(q_start), int(k_start), float(scale), int(block), store)
-    # Query blocks too: each only walks the key blocks it can see, so a causal set costs ~T^2/2, not T^2.
-    outs, lses = [], []
-    for t0 in range(0, T, block):
-        o, lse = _BlockAttention.apply(q[:, t0:t0 + block], k, v, int(q_start + t0), int(k_start), float(scale),
-                                       int(block), store)
-        outs.append(o)
-        lses.append(lse)
-    return torch.cat(outs, 1), torch.cat(lses, 1)
+    Rows that see no key get out = 0 and lse = -inf (they drop out of `merge_attention`)."""
+    from longstraw_mcore.ops.attention import KeySet, attention
+
+    return attention(q, [KeySet(k, v, k_start, store_probs=store_probs)], q_start, scale=scale, block=block)
 
 
 def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Softmax over the union of key sets from per-set (out [B,T,H,D], lse [B,T,H]); differentiable."""
+    """Softmax over the union of key sets from per-set (out [B,T,H,D], lse [B,T,H]), by plain autograd.
+
+    The composable form (each part its own autograd node, lse differentiable): what a merge across
+    ranks builds on. Within one rank `ops.attention.attention` merges in one node instead."""
     if len(parts) == 1:
         return parts[0][0]
     lses = torch.stack([lse for _, lse in parts])                                # [n,B,T,H]

@@ -105,10 +105,10 @@ def step_flops(m: ModelConfig, P: int, lengths: list[int], mode: str, chunk_len:
     Pc = P - 1
     chunks = [(s, min(Pc, s + chunk_len)) for s in range(0, Pc, chunk_len)]
     out = {"algorithm": {}, "minimum": {}}
-    # capture: forward only, no output layer
+    # capture: forward only, no output layer; each chunk's queries attend causally to the state buffer
+    # up to the chunk's end in one call (key blocks counted from position 0)
     for kind, blocked in (("algorithm", True), ("minimum", False)):
-        pairs = sum(_attn_pairs(e - s, s, s, 0, blk, blocked) + _attn_pairs(e - s, s, e - s, s, blk, blocked)
-                    for s, e in chunks)
+        pairs = sum(_attn_pairs(e - s, s, e, 0, blk, blocked) for s, e in chunks)
         out[kind]["capture"] = c.linear(Pc) + c.attn(pairs, 2) + c.gdn_fwd(Pc)
     # branches: forward + backward, output layer on every branch token
     exact = mode == "exact"
@@ -133,7 +133,7 @@ def step_flops(m: ModelConfig, P: int, lengths: list[int], mode: str, chunk_len:
             total += fwd + bwd
         out[kind]["replay"] = total
     if exact:  # recompute each chunk with autograd, backward with every key needing a gradient
-        # The recompute forward stops once the last layer has written its state (StateComplete), and
+        # The recompute forward stops once the last layer has produced its state (forward_state), and
         # autograd back-propagates only into what a seeded state depends on: the rest of the last layer
         # (attention: q projection, attention core, o projection; GDN: z / out projections, its output
         # path) and its MLP are neither run nor differentiated.

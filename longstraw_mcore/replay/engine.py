@@ -1,20 +1,19 @@
-"""Branch replay of one prompt group: capture the prompt once, replay each branch, exact sweep.
+"""Branch replay of one prompt group: execute the plan (replay/plan.py) step by step.
 
-    capture : prompt[:-1] under no_grad, `chunk_len` tokens at a time -> PromptState
-              (peak activations: one chunk; exact mode also keeps the GDN state entering each chunk)
-    replay  : for each branch b, [prompt[-1]] + y_b[:-1] at positions P-1.. with autograd against the
-              state -> log-probs of y_b -> its loss term -> backward; its graph (the branch's own K/V
-              and recurrent updates: its scratch) is freed before the next branch
-    exact   : state tensors are leaves during replay, their gradients accumulate over branches; then
-              chunks are recomputed from last to first with autograd against the earlier chunks'
-              state, seeded with the accumulated gradient of the chunk's own K/V and of the GDN state
-              leaving it; one torch.autograd.backward per chunk deposits into the parameters and the
-              earlier chunks' state gradients. A chunk's recompute stops as soon as the last layer has
-              written its state: nothing after it is seeded.
+    capture         prompt[:-1] under no_grad, one chunk per step; each layer's state kind keeps
+                    what later tokens need (peak activations: one chunk)
+    replay          [prompt[-1]] + y_b[:-1] at positions P-1.. with autograd against the state ->
+                    log-probs of y_b -> the branch's loss term -> backward; the graph (the branch's
+                    own K/V and recurrent updates: its scratch) is freed before the next step
+    prompt_backward exact mode: chunk c recomputed with autograd against the earlier chunks' state
+                    (on the last stage its last layer only as far as its state), seeded with the
+                    gradient accumulated for the state it produces; one torch.autograd.backward
+                    per chunk deposits into the parameters and the earlier chunks' state gradient
 
 detached = sum_b dL_b/dtheta with the state held constant (LongStraw's truncated gradient);
 exact    = dL/dtheta including (sum_b dL_b/dS) dS/dtheta, i.e. full-sequence GRPO.
-Runs on pipeline-parallel size 1 (TP any); the objective is given as per-branch terms.
+The engine reaches the model only through `models/replay_interface.py` and the state only through
+its kinds (prompt_state/); runs at pipeline size 1 (TP any). The objective is per-branch terms.
 """
 
 from __future__ import annotations
@@ -26,36 +25,18 @@ from typing import Callable
 import torch
 
 from longstraw_mcore.config import ReplayConfig
-from longstraw_mcore.loss.logprobs import token_logprobs
-from longstraw_mcore.models.mixers.gated_attention import GatedAttentionMixer
-from longstraw_mcore.models.mixers.state import AttentionState, GDNState
-from longstraw_mcore.prompt_state.containers import AttentionLayerBuffer, PromptState, allocate
-from longstraw_mcore.prompt_state.contexts import (CaptureContext, RecomputeContext, ReplayContext, StateComplete,
-                                                   ensure_grad, make_leaves)
+from longstraw_mcore.families import get_family
+from longstraw_mcore.prompt_state.containers import PromptState, allocate
+from longstraw_mcore.prompt_state.contexts import CaptureContext, RecomputeContext, ReplayContext
+from longstraw_mcore.replay.plan import Step, chunk_spans, plan_group, replay_steps
+
+__all__ = ["ReplayConfig", "BranchResult", "capture", "replay_branches", "run_group", "score_group", "make_leaves",
+           "attention_probs_bytes", "stores_attention_probs", "execute"]
 
 
-def _local_layers(model) -> dict[int, str]:
-    types = model.model_cfg.layer_types
-    return {layer.layer_number: types[layer.layer_number - 1] for layer in model.decoder.layers}
-
-
-def _unwrap(model):
+def _core(model):
+    """The model behind a DDP wrapper: the replay interface lives there (DDP's forward only calls it)."""
     return getattr(model, "module", model)
-
-
-@torch.no_grad()
-def capture(model, prompt_prefix: torch.Tensor, cfg: ReplayConfig, tp: int) -> PromptState:
-    """Run `prompt_prefix` [1, P-1] through the model chunk by chunk, keeping only the prompt state."""
-    core = _unwrap(model)
-    n = prompt_prefix.shape[1]
-    state = allocate(core.model_cfg, _local_layers(core), tp, n, prompt_prefix.device)
-    exact = cfg.mode == "exact"
-    for s0 in range(0, n, cfg.chunk_len):
-        s1 = min(n, s0 + cfg.chunk_len)
-        model(prompt_prefix[:, s0:s1], state=CaptureContext(state, s0, keep_boundaries=exact), hidden_only=True)
-        state.chunk_bounds.append((s0, s1))
-        state.length = s1
-    return state
 
 
 @dataclass
@@ -80,139 +61,149 @@ def stores_attention_probs(model, captured: int, cfg: ReplayConfig, batch: int, 
     probabilities for the backward (they fit `cfg.attn_probs_budget_mib`) instead of recomputing them."""
     if cfg.attn_probs_budget_mib <= 0 or captured == 0:
         return False
-    core = _unwrap(model)
-    heads = [layer.self_attention.hq for layer in core.decoder.layers
-             if isinstance(layer.self_attention, GatedAttentionMixer)]
-    need = attention_probs_bytes(heads, batch, tokens, captured, next(core.parameters()).dtype)
+    core = _core(model)
+    kinds = get_family(core.model_cfg.family).state_kinds
+    need = sum(getattr(kinds[t], "probs_bytes", lambda *a: 0)(core.model_cfg, core.tp_size, batch, tokens, captured)
+               for t in core.state_layers().values())
     return need <= cfg.attn_probs_budget_mib * 2**20
 
 
-def _branch_inputs(prompt_last: int, response: list[int], device):
-    ids = torch.tensor([[prompt_last] + response[:-1]], device=device)
-    tgt = torch.tensor([response], device=device)
-    return ids, tgt
+@dataclass
+class _Group:
+    """The inputs a plan runs on."""
+
+    prefix: torch.Tensor            # [1, P-1] prompt ids before the last
+    prompt_last: int
+    responses: list[list[int]]
+    loss_fn: BranchLoss | None
+    cfg: ReplayConfig
+
+
+def _replay(core, state: PromptState, step: Step, g: _Group, device) -> dict[int, BranchResult]:
+    grad = g.loss_fn is not None
+    bs = step.branches
+    R = max(len(g.responses[b]) for b in bs)
+    ids = torch.zeros(len(bs), R, dtype=torch.long, device=device)
+    tgt = torch.zeros(len(bs), R, dtype=torch.long, device=device)
+    for i, b in enumerate(bs):  # right padding: causal, so pads never reach real positions
+        r = g.responses[b]
+        ids[i, :len(r)] = torch.tensor([g.prompt_last] + r[:-1], device=device)
+        tgt[i, :len(r)] = torch.tensor(r, device=device)
+    out = {}
+    with torch.set_grad_enabled(grad):
+        store = grad and stores_attention_probs(core, state.length, g.cfg, len(bs), R)
+        hidden = core.forward_hidden(ids, ReplayContext(state, batch=len(bs), store_probs=store))
+        logp = core.token_logprobs(hidden, tgt, g.cfg.logprob_chunk)
+        total = None
+        for i, b in enumerate(bs):
+            lp = logp[i, :len(g.responses[b])]
+            stats = {}
+            if grad:
+                loss, stats = g.loss_fn(b, lp)
+                total = loss if total is None else total + loss
+            out[b] = BranchResult(lp.detach(), stats)
+        if grad:
+            total.backward()  # frees this micro-step's graph (its scratch) before the next one
+    return out
+
+
+def _prompt_backward(core, state: PromptState, step: Step, g: _Group) -> None:
+    s0, s1 = step.span
+    with torch.enable_grad():
+        core.forward_state(g.prefix[:, s0:s1], RecomputeContext(state, step.index))
+    outs, grads = state.seeds(step.index)
+    torch.autograd.backward(outs, grads)
+    state.finish_chunk(step.index)
+
+
+def execute(model, plan: list[Step], g: _Group, state: PromptState | None = None, state_grad: bool = False):
+    """Run `plan` (against `state`, or a fresh one the plan captures); returns (results by branch,
+    state, seconds per phase). `state_grad`: exact mode, the state gradient starts accumulating at
+    the first replay step."""
+    core = _core(model)
+    device = next(core.parameters()).device
+    seconds: dict[str, float] = {}
+    results: dict[int, BranchResult] = {}
+    if state is None:
+        state = allocate(core.model_cfg, core.state_layers(), core.tp_size, g.prefix.shape[1], device)
+    keep = g.cfg.mode == "exact"  # GDN kinds record the state entering each chunk for its recompute
+    for step in plan:
+        t0 = time.perf_counter()
+        if step.phase == "capture":
+            s0, s1 = step.span
+            with torch.no_grad():
+                core.forward_hidden(g.prefix[:, s0:s1], CaptureContext(state, step.index, step.span, keep))
+            state.chunk_bounds.append(step.span)
+            state.length = s1
+        elif step.phase == "replay":
+            if state_grad:
+                state.enable_grad()
+                state_grad = False
+            results.update(_replay(core, state, step, g, device))
+        elif step.phase == "prompt_backward":
+            _prompt_backward(core, state, step, g)
+            if step.index == 0:
+                state.release_grad()  # the state gradient is spent
+        else:
+            raise ValueError(f"unknown plan phase {step.phase!r}")
+        seconds[step.phase] = seconds.get(step.phase, 0.0) + time.perf_counter() - t0
+    return results, state, seconds
+
+
+def _group(model, prompt: list[int], responses, loss_fn, cfg) -> _Group:
+    device = next(_core(model).parameters()).device
+    return _Group(torch.tensor([prompt[:-1]], device=device, dtype=torch.long), prompt[-1], responses, loss_fn, cfg)
+
+
+@torch.no_grad()
+def capture(model, prompt_prefix: torch.Tensor, cfg: ReplayConfig, tp: int | None = None) -> PromptState:
+    """Run `prompt_prefix` [1, P-1] through the model chunk by chunk, keeping only the prompt state."""
+    plan = [Step("capture", c, span) for c, span in enumerate(chunk_spans(prompt_prefix.shape[1], cfg.chunk_len))]
+    g = _Group(prompt_prefix, 0, [], None, cfg)
+    return execute(model, plan, g)[1]
+
+
+def make_leaves(state: PromptState) -> PromptState:
+    """Exact mode: start accumulating the state gradient (over the branches replayed next)."""
+    state.enable_grad()
+    return state
 
 
 def replay_branches(model, state: PromptState, prompt_last: int, responses: list[list[int]], order: list[int],
-                    loss_fn: BranchLoss | None, cfg: ReplayConfig, leaves: dict | None = None) -> list[BranchResult]:
-    """Replay branches (one at a time, or batched) and back-propagate each branch's loss term.
-
-    `loss_fn(b, logp [R_b])` returns (scalar, stats); None scores without autograd."""
-    core = _unwrap(model)
-    device = next(core.parameters()).device
-    results: dict[int, BranchResult] = {}
-    grad = loss_fn is not None
-    if cfg.batch_branches:
-        G, Rmax = len(order), max(len(responses[b]) for b in order)
-        ids = torch.zeros(G, Rmax, dtype=torch.long, device=device)
-        tgt = torch.zeros(G, Rmax, dtype=torch.long, device=device)
-        for i, b in enumerate(order):  # right padding: causal, so pads never reach real positions
-            r = responses[b]
-            ids[i, :len(r)] = torch.tensor([prompt_last] + r[:-1])
-            tgt[i, :len(r)] = torch.tensor(r)
-        with torch.set_grad_enabled(grad):
-            store = grad and stores_attention_probs(core, state.length, cfg, G, Rmax)
-            hidden = model(ids, state=ReplayContext(state, leaves, batch=G, store_probs=store), hidden_only=True)
-            logp = token_logprobs(core.output_layer, hidden, tgt, cfg.logprob_chunk)
-            total = 0
-            for i, b in enumerate(order):
-                lp = logp[i, :len(responses[b])]
-                if grad:
-                    loss, stats = loss_fn(b, lp)
-                    total = total + loss
-                else:
-                    stats = {}
-                results[b] = BranchResult(lp.detach(), stats)
-            if grad:
-                total.backward()
-        return [results[b] for b in sorted(results)]
-    for b in order:
-        ids, tgt = _branch_inputs(prompt_last, responses[b], device)
-        with torch.set_grad_enabled(grad):
-            store = grad and stores_attention_probs(core, state.length, cfg, 1, ids.shape[1])
-            hidden = model(ids, state=ReplayContext(state, leaves, store_probs=store), hidden_only=True)
-            lp = token_logprobs(core.output_layer, hidden, tgt, cfg.logprob_chunk)[0]
-            stats = {}
-            if grad:
-                loss, stats = loss_fn(b, lp)
-                loss.backward()  # frees this branch's graph (its scratch) before the next branch
-        results[b] = BranchResult(lp.detach(), stats)
+                    loss_fn: BranchLoss | None, cfg: ReplayConfig, leaves=None) -> list[BranchResult]:
+    """Replay branches (one at a time, or batched) and back-propagate each branch's loss term against
+    `state` (with its gradient accumulating if `make_leaves` was called on it). `loss_fn(b, logp [R_b])`
+    returns (scalar, stats); None scores without autograd."""
+    assert leaves is None or leaves is state, "pass the state that make_leaves() returned"
+    g = _Group(torch.zeros(1, state.length, dtype=torch.long), prompt_last, responses, loss_fn, cfg)
+    results = execute(model, replay_steps(order, cfg.batch_branches), g, state)[0]
     return [results[b] for b in sorted(results)]
 
 
-def exact_prompt_backward(model, state: PromptState, prompt_prefix: torch.Tensor, leaves: dict) -> None:
-    """Reverse sweep over capture chunks, injecting the accumulated state gradients (see module doc)."""
-    carried: dict[int, GDNState] = {}
-    for n, leaf in leaves.items():
-        if isinstance(leaf, AttentionLayerBuffer) or leaf is None:
-            continue
-        carried[n] = GDNState(conv=ensure_grad(leaf.conv.grad, leaf.conv),
-                              recurrent=ensure_grad(leaf.recurrent.grad, leaf.recurrent))
-    for c in reversed(range(len(state.chunk_bounds))):
-        s0, s1 = state.chunk_bounds[c]
-        ctx = RecomputeContext(state, c)
-        with torch.enable_grad():
-            try:
-                model(prompt_prefix[:, s0:s1], state=ctx, hidden_only=True)
-                raise AssertionError("the recompute forward ended without every layer writing its state")
-            except StateComplete:
-                pass
-        outs, grads = [], []
-        for n, produced in ctx.produced.items():
-            st = state.layers[n]
-            if isinstance(produced, AttentionState):
-                outs += [produced.k, produced.v]
-                # cloned: this backward accumulates into the same .grad tensors (at earlier positions)
-                grads += [ensure_grad(st.k.grad, st.k)[:, s0:s1].clone(), ensure_grad(st.v.grad, st.v)[:, s0:s1].clone()]
-            else:
-                outs += [produced.conv, produced.recurrent]
-                grads += [carried[n].conv, carried[n].recurrent]
-        torch.autograd.backward(outs, grads)
-        for n, entry in ctx.entry.items():
-            if entry is not None:
-                carried[n] = GDNState(conv=ensure_grad(entry.conv.grad, entry.conv),
-                                      recurrent=ensure_grad(entry.recurrent.grad, entry.recurrent))
-    for st in state.layers.values():  # the state gradient is spent: release it
-        if isinstance(st, AttentionLayerBuffer):
-            st.k.grad = None
-            st.v.grad = None
-
-
 def run_group(model, prompt: list[int], responses: list[list[int]], loss_fn: BranchLoss, cfg: ReplayConfig,
-              tp: int, order: list[int] | None = None, timed: bool = False):
+              tp: int | None = None, order: list[int] | None = None, timed: bool = False):
     """Capture, replay every branch with `loss_fn`, and (exact mode) the prompt backward.
 
     Returns (results, state) or, with `timed`, (results, state, seconds per phase)."""
-    core = _unwrap(model)
-    device = next(core.parameters()).device
-    clock = [time.perf_counter()]
-    seconds = {}
-
-    def lap(name):
-        now = time.perf_counter()
-        seconds[name] = now - clock[0]
-        clock[0] = now
-
-    prefix = torch.tensor([prompt[:-1]], device=device, dtype=torch.long)
-    state = capture(model, prefix, cfg, tp)
-    lap("capture")
-    leaves = make_leaves(state) if cfg.mode == "exact" else None
+    t0 = time.perf_counter()
     order = list(range(len(responses))) if order is None else order
-    results = replay_branches(model, state, prompt[-1], responses, order, loss_fn, cfg, leaves)
-    lap("replay")
+    plan = plan_group(len(prompt) - 1, cfg.chunk_len, order, cfg.mode, cfg.batch_branches)
+    results, state, seconds = execute(model, plan, _group(model, prompt, responses, loss_fn, cfg),
+                                      state_grad=cfg.mode == "exact" and loss_fn is not None)
+    seconds.setdefault("capture", 0.0)
+    seconds.setdefault("replay", 0.0)
     if cfg.mode == "exact" and state.length > 0:
-        exact_prompt_backward(model, state, prefix, leaves)
-        lap("prompt_backward")
-    return (results, state, seconds) if timed else (results, state)
+        seconds.setdefault("prompt_backward", 0.0)
+    seconds["total"] = time.perf_counter() - t0
+    ordered = [results[b] for b in sorted(results)]
+    return (ordered, state, seconds) if timed else (ordered, state)
 
 
-def score_group(model, prompt: list[int], responses: list[list[int]], cfg: ReplayConfig, tp: int,
+def score_group(model, prompt: list[int], responses: list[list[int]], cfg: ReplayConfig, tp: int | None = None,
                 state: PromptState | None = None) -> tuple[list[torch.Tensor], PromptState]:
     """Per-token log-probs of every branch without autograd (old / reference scoring)."""
-    core = _unwrap(model)
-    device = next(core.parameters()).device
     if state is None:
-        prefix = torch.tensor([prompt[:-1]], device=device, dtype=torch.long)
-        state = capture(model, prefix, ReplayConfig(mode="detached", chunk_len=cfg.chunk_len), tp)
+        state = capture(model, _group(model, prompt, responses, None, cfg).prefix,
+                        ReplayConfig(mode="detached", chunk_len=cfg.chunk_len))
     res = replay_branches(model, state, prompt[-1], responses, list(range(len(responses))), None, cfg)
     return [r.logprobs for r in res], state

@@ -4,7 +4,9 @@
 (the group's share of the step objective), runs the exact-mode prompt backward, and returns the
 group's metrics. Gradients accumulate into whatever the model accumulates into (param.grad, or the
 DDP grad buffers). A GRPO group whose rewards are all equal and beta == 0 is skipped without any
-model work (counted); with beta > 0 its KL term still trains.
+model work (counted); with beta > 0 its KL term still trains. Reference log-probs come from the
+rollouts or, where a group has none, from `ref_model` scored by a no-grad replay (GRPO's KL term,
+DPO's reference margin).
 """
 
 from __future__ import annotations
@@ -53,7 +55,13 @@ def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConf
         chosen, rejected = dpo.chosen_rejected(group.rewards, f"group {index}")
         logps, _ = score_group(model, group.prompt, group.responses, rcfg, tp)
         pi = {b: float(lp.sum()) for b, lp in enumerate(logps)}
-        ref = {b: (sum(group.ref_logprobs[b]) if group.ref_logprobs is not None else 0.0) for b in (0, 1)}
+        if group.ref_logprobs is None and ref_model is not None:  # the reference policy, scored without autograd
+            ref_lps, ref_state = score_group(ref_model, group.prompt, group.responses, rcfg, tp)
+            ref_state_bytes = ref_state.nbytes()
+            del ref_state
+            ref = {b: float(lp.sum()) for b, lp in enumerate(ref_lps)}
+        else:
+            ref = {b: (sum(group.ref_logprobs[b]) if group.ref_logprobs is not None else 0.0) for b in (0, 1)}
         loss, coeff = dpo.dpo_terms(pi, ref, chosen, rejected, gcfg.beta)
         fn = dpo.surrogate_loss_fn(coeff)
     else:

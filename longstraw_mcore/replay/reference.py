@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from longstraw_mcore.loss.logprobs import token_logprobs
-
 
 def full_sequence_branches(model, prompt: list[int], responses: list[list[int]], loss_fn, logprob_chunk: int = 1024):
     core = getattr(model, "module", model)
@@ -18,7 +16,7 @@ def full_sequence_branches(model, prompt: list[int], responses: list[list[int]],
         ids = torch.tensor([prompt + resp[:-1]], device=device)
         hidden = model(ids, hidden_only=True)                       # [P+R-1, 1, Hd]
         tgt = torch.tensor([resp], device=device)
-        logp = token_logprobs(core.output_layer, hidden[P - 1:], tgt, logprob_chunk)[0]
+        logp = core.token_logprobs(hidden[P - 1:], tgt, logprob_chunk)[0]
         if loss_fn is not None:
             loss, _ = loss_fn(b, logp)
             loss.backward()

@@ -5,15 +5,13 @@ A step on data-parallel rank d processes `groups_per_step` prompt groups (`group
 each scaled by 1/groups_per_step; DDP averages over data parallel, so the step objective is the mean
 over all groups of the step. Branch gradients accumulate into DDP's buffers as each branch's
 backward runs; `finalize_model_grads` reduces them once per step; then `optimizer.step()`.
-Checkpoints: the model as a Megatron distributed checkpoint, the torch optimizer states per rank
-(resume at the same layout, bit-exact), the step and the metrics so far.
+Checkpoints (train/checkpoints.py): the model as a Megatron distributed checkpoint, the torch optimizer
+states per rank (resume at the same layout, bit-exact), the step and the metrics so far, published
+atomically; resume takes the newest complete one.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -21,9 +19,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from longstraw_mcore.checkpoint.dist_ckpt import read_checkpoint_meta
 from longstraw_mcore.config import ConfigError, RunConfig
 from longstraw_mcore.data.rollouts import RolloutGroup
+from longstraw_mcore.parallel.reduce import all_reduce_sum
 from longstraw_mcore.replay.group_step import process_group
+from longstraw_mcore.train.checkpoints import load_step, resume_newest, save_step
 
 
 def group_index(step: int, dp_rank: int, i: int, dp: int, groups_per_step: int, n_groups: int) -> int:
@@ -87,77 +88,53 @@ class Trainer:
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
         gps = cfg.train.groups_per_step
-        acc = torch.zeros(8, dtype=torch.float64)  # loss, reward, tokens, clipped, kl, skipped, groups, state B
+        # loss, reward, tokens, clipped, kl, skipped, groups, state bytes: host numbers until reduced
+        acc = [0.0] * 8
         for i in range(gps):
             gi = group_index(self.step, self._dp_rank(), i, par.dp, gps, len(self.groups))
             st = process_group(self.ddp, self.groups[gi], cfg.replay, cfg.grpo, par.tp, scale=1.0 / gps,
                                ref_model=self.ref_model, index=gi)
-            acc += torch.tensor([st.loss, st.reward_mean, st.tokens, st.clipped, st.kl_sum, float(st.skipped), 1.0,
-                                 st.state_bytes + st.ref_state_bytes], dtype=torch.float64)
+            for j, x in enumerate((st.loss, st.reward_mean, st.tokens, st.clipped, st.kl_sum, float(st.skipped), 1.0,
+                                   st.state_bytes + st.ref_state_bytes)):
+                acc[j] += x
         finalize_model_grads([self.ddp], pg_collection=par.pgs)
-        if dist.is_initialized() and par.dp > 1:
-            dist.all_reduce(acc, group=par.pgs.dp)
-        n = acc[6].item()
-        if acc[5].item() == n:  # every group of the step had zero advantage: no gradient, no update
+        acc = all_reduce_sum(acc, par.pgs.dp, par.device)
+        n = acc[6]
+        if acc[5] == n:  # every group of the step had zero advantage: no gradient, no update
             ok, grad_norm = False, 0.0  # (Adam's momentum would still move the weights on zero grads)
         else:
             ok, grad_norm, _ = self.opt.step()
         metrics = {
-            "step": self.step, "loss": acc[0].item() / n, "reward_mean": acc[1].item() / n,
-            "clip_frac": acc[3].item() / max(acc[2].item(), 1.0), "kl": acc[4].item() / max(acc[2].item(), 1.0),
+            "step": self.step, "loss": acc[0] / n, "reward_mean": acc[1] / n,
+            "clip_frac": acc[3] / max(acc[2], 1.0), "kl": acc[4] / max(acc[2], 1.0),
             "grad_norm": float(grad_norm) if grad_norm is not None else None, "update_ok": bool(ok),
-            "groups": int(n), "skipped_groups": int(acc[5].item()), "tokens": int(acc[2].item()),
+            "groups": int(n), "skipped_groups": int(acc[5]), "tokens": int(acc[2]),
             "seconds": time.perf_counter() - t0, "peak_bytes": peak_bytes(par.device),
-            "state_bytes": int(acc[7].item() / n),
+            "state_bytes": int(acc[7] / n),
         }
         self.history.append(metrics)
         return metrics
 
-    # --- checkpoints -----------------------------------------------------------------------------
+    # --- checkpoints (train/checkpoints.py: atomic publication, verification, fallback) ------------
 
-    def save(self, root: str | Path) -> Path:
-        from longstraw_mcore.checkpoint.dist_ckpt import save_checkpoint
-
-        root = Path(root)
-        dst = root / f"step_{self.step:06d}"
-        save_checkpoint(self.ddp.module, dst, self.cfg.model, self.par.layout(),
-                        extra={"step": self.step, "run_config": asdict(self.cfg)})
-        rank = dist.get_rank()
-        opt_file = dst / f"optimizer_rank{rank:05d}.pt"
-        tmp = opt_file.with_suffix(".tmp")
-        torch.save({"torch_optimizers": [o.state_dict() for o in _torch_optimizers(self.opt)],
-                    "layout": self.par.layout(), "rank": rank}, tmp)
-        os.replace(tmp, opt_file)
-        dist.barrier()
-        if rank == 0:
-            (dst / "metrics.json").write_text(json.dumps(self.history))
-            latest = root / "latest"
-            tmpl = root / ".latest.tmp"
-            tmpl.write_text(dst.name)
-            os.replace(tmpl, latest)
-        dist.barrier()
-        return dst
+    def save(self, root: str | Path, fault=None) -> Path:
+        return save_step(root, self.step, self.ddp.module, _torch_optimizers(self.opt), self.cfg.model,
+                         self.par.layout(), self.history, {"run_config": asdict(self.cfg)}, fault=fault)
 
     def resume(self, root: str | Path) -> bool:
-        """Load the latest checkpoint under `root` if any; False when there is none."""
-        from longstraw_mcore.checkpoint.dist_ckpt import load_checkpoint, read_checkpoint_meta
+        """Load the newest complete checkpoint under `root` (announcing any newer one skipped as
+        damaged); False when there is none."""
+        def load(path):
+            _, meta = read_checkpoint_meta(path)
+            if meta.get("layout") != self.par.layout():
+                raise ConfigError(f"--resume: checkpoint {path} was written at layout {meta.get('layout')}, this "
+                                  f"run is {self.par.layout()}; optimizer state resumes only at the same layout")
+            return load_step(path, self.ddp.module, _torch_optimizers(self.opt), self.opt.reload_model_params)
 
-        latest = Path(root) / "latest"
-        if not latest.is_file():
+        got = resume_newest(root, load, self.log)
+        if got is None:
             return False
-        src = Path(root) / latest.read_text().strip()
-        _, meta = read_checkpoint_meta(src)
-        if meta.get("layout") != self.par.layout():
-            raise ConfigError(f"--resume: checkpoint {src} was written at layout {meta.get('layout')}, this run is "
-                              f"{self.par.layout()}; optimizer state resumes only at the same layout")
-        load_checkpoint(self.ddp.module, src)
-        blob = torch.load(src / f"optimizer_rank{dist.get_rank():05d}.pt", weights_only=False)
-        self.opt.reload_model_params()  # main (fp32 / sharded) params from the loaded model params
-        with torch.no_grad():
-            for o, sd in zip(_torch_optimizers(self.opt), blob["torch_optimizers"], strict=True):
-                o.load_state_dict(sd)
-        self.step = int(meta["step"])
-        self.history = json.loads((src / "metrics.json").read_text())
+        self.step, self.history = got
         return True
 
 
@@ -171,7 +148,4 @@ def _torch_optimizers(opt) -> list:
     return [o.optimizer for o in inner]
 
 
-def prune_partial(root: str | Path) -> None:
-    """Remove half-written step directories left by a killed run (the `.partial` siblings)."""
-    for p in Path(root).glob(".step_*.partial"):
-        shutil.rmtree(p, ignore_errors=True)
+

@@ -29,7 +29,7 @@ def test_real_27b_dimensions():
     (["parallel.tp=3"], "model.num_attention_heads=4 is not divisible by parallel.tp=3"),
     (["model.bogus=1"], "unknown config key(s) ['model.bogus']"),
     (["trainer.lr=1"], "unknown config key(s) ['trainer']"),
-    (["model.dtype=float16"], "model.dtype='float16': must be one of ['float32', 'float64', 'bfloat16']"),
+    (["model.dtype=float8"], "model.dtype='float8': must be one of ['float32', 'float64', 'bfloat16', 'float16']"),
     (["model.num_key_value_heads=3"], "model.num_attention_heads=4 is not a multiple of model.num_key_value_heads=3"),
     (["parallel.tp=0"], "parallel.tp=0: must be a positive integer"),
     (["device=tpu"], "device='tpu': must be one of"),
@@ -55,3 +55,15 @@ def test_world_size_must_match_layout():
     with pytest.raises(ConfigError, match=r"world size 6 is not divisible by tp\*pp\*cp = 4\*1\*1 = 4"):
         ParallelConfig(tp=4).dp_for(6)
     assert ParallelConfig(tp=2, pp=2).dp_for(8) == 2
+
+
+def test_float16_describes_checkpoints_but_runs_refuse_it():
+    """A float16 checkpoint's config loads (conversion keeps its dtype); every subcommand refuses to
+    run in float16 (no loss scaling) and says how to cast it."""
+    from longstraw_mcore.commands.preflight import check_run
+
+    cfg = load_config(TINY, ["model.dtype=float16"])
+    for cmd in ("train", "validate", "smoke"):
+        with pytest.raises(ConfigError, match="pass model.dtype=bfloat16 to cast float16 weights on load"):
+            check_run(cfg, cmd, None)
+    check_run(load_config(TINY, ["model.dtype=bfloat16"]), "train", None)

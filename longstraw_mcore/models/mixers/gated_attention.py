@@ -9,8 +9,9 @@ Legend: S tokens, B batch, P cached positions, D head_dim; Hq / Hk heads local t
     out = linear_proj(o * sigmoid(gate))
 
 Tensor parallel splits by heads (q heads with their gates, kv heads), `linear_proj` is row parallel.
-The cached state is K (after k-norm and RoPE) and V of earlier positions; a call writes back the
-K/V of its own positions (the context appends them).
+The cached state is K (after k-norm and RoPE) and V of earlier positions: the mixer hands the K/V of
+its own positions to the context (`ctx.key_sets`) and attends to the key sets it gets back, through
+the one attention entry point (`ops.attention.attention`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,8 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.module import MegatronModule
 
 from longstraw_mcore.models.mixers.common import sharded_state_dict_with_tp_params
-from longstraw_mcore.models.mixers.state import AttentionState
 from longstraw_mcore.models.norms import ZeroCenteredRMSNorm
-from longstraw_mcore.ops.attention import apply_partial_rope, rope_cos_sin
-from longstraw_mcore.ops.block_attention import block_attention, merge_attention
+from longstraw_mcore.ops.attention import KeySet, apply_partial_rope, attention, rope_cos_sin
 
 
 @dataclass
@@ -61,42 +60,41 @@ class GatedAttentionMixer(MegatronModule):
                                                   init_method=config.output_layer_init_method, bias=False,
                                                   input_is_parallel=True, skip_bias_add=True, tp_group=self.tp_group)
 
-    def forward(self, hidden_states, attention_mask=None, inference_context=None, **kwargs):
-        """hidden_states [S, B, Hd] -> (out [S, B, Hd], None). Reads/writes `AttentionState`."""
-        ctx = inference_context
-        cached: AttentionState | None = ctx.read(self.layer_number) if ctx is not None else None
-        offset = ctx.position_offset if ctx is not None else 0
-        if cached is not None and cached.length != offset:
-            raise ValueError(f"layer {self.layer_number}: cached K/V hold {cached.length} positions but the "
-                             f"position offset is {offset}")
-        S, B, _ = hidden_states.shape
-        x = hidden_states.transpose(0, 1)                                       # [B, S, Hd]
+    def _own_kv(self, x: torch.Tensor, offset: int):
+        """K (after k-norm and RoPE) and V of this call's positions, and the RoPE angles. x [B, S, Hd]."""
+        B, S, _ = x.shape
         k, _ = self.linear_k(x)
         v, _ = self.linear_v(x)
         k = self.k_norm(k.reshape(B, S, self.hk, self.d))
         v = v.reshape(B, S, self.hk, self.d)
         pos = torch.arange(offset, offset + S, device=x.device)
         cos, sin = rope_cos_sin(pos, self.rotary_dim, self.rope_theta, x.dtype)
-        k = apply_partial_rope(k, cos, sin)
-        # The state is written as soon as it exists: a context that needs nothing past it (exact mode's
-        # recompute of the last layer) may stop the forward here.
-        if ctx is not None and ctx.collect:
-            ctx.write(self.layer_number, AttentionState(k=k, v=v))  # this call's positions only
+        return apply_partial_rope(k, cos, sin), v, cos, sin
+
+    def forward(self, hidden_states, attention_mask=None, inference_context=None, **kwargs):
+        """hidden_states [S, B, Hd] -> (out [S, B, Hd], None). Asks the context for its key sets."""
+        ctx = inference_context
+        offset = ctx.position_offset if ctx is not None else 0
+        S, B, _ = hidden_states.shape
+        x = hidden_states.transpose(0, 1)                                       # [B, S, Hd]
+        k, v, cos, sin = self._own_kv(x, offset)
+        # The context turns this call's K/V into the key sets to attend to (and keeps what it must):
+        # the cached positions read in place and these positions, one softmax over their union.
+        keys = ctx.key_sets(self.layer_number, k, v) if ctx is not None else [KeySet(k, v, offset)]
         qg, _ = self.linear_q(x)
         qg = qg.reshape(B, S, self.hq, 2 * self.d)
         q, gate = qg[..., :self.d], qg[..., self.d:]
         q = apply_partial_rope(self.q_norm(q), cos, sin)
-        # One softmax over (cached positions) U (this call's positions), merged by log-sum-exp: the
-        # cached K/V are read in place (no concatenated copy), and their gradients, when they require
-        # them (exact mode), come out of the same backward.
-        parts = [block_attention(q, k, v, q_start=offset, k_start=offset, block=self.block)]
-        if cached is not None and cached.length > 0:
-            parts.insert(0, block_attention(q, cached.k, cached.v, q_start=offset, k_start=0, block=self.block,
-                                            store_probs=ctx.store_attention_probs))
-        o = merge_attention(parts)
+        o, _ = attention(q, keys, q_start=offset, block=self.block)
         o = o.reshape(B, S, self.hq * self.d) * torch.sigmoid(gate.reshape(B, S, self.hq * self.d))
         out, _ = self.linear_proj(o.transpose(0, 1).contiguous())
         return out, None
+
+    def produce_state(self, hidden_states, inference_context) -> None:
+        """Only what the prompt state needs from this layer (its K/V), handed to the context: exact
+        mode's recompute of the model's last layer, whose output feeds nothing."""
+        k, v, _, _ = self._own_kv(hidden_states.transpose(0, 1), inference_context.position_offset)
+        inference_context.key_sets(self.layer_number, k, v)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         return sharded_state_dict_with_tp_params(self, {}, prefix, sharded_offsets, metadata, self.tp_group)

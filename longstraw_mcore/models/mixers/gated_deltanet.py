@@ -90,9 +90,9 @@ class GatedDeltaNetMixer(MegatronModule):
     def conv_channels(self) -> int:
         return 2 * self.hk * self.dk + self.hv * self.dv
 
-    def forward(self, hidden_states, attention_mask=None, inference_context=None, **kwargs):
-        """hidden_states [S, B, Hd] -> (out [S, B, Hd], None). Reads/writes `GDNState` via the context."""
-        ctx = inference_context
+    def _mix(self, hidden_states, ctx):
+        """Conv + gated delta rule from the state entering the call; hands the state after it to the
+        context. Returns o [B, S, Hv, Dv] (state dtype)."""
         cached: GDNState | None = ctx.read(self.layer_number) if ctx is not None else None
         S, B, _ = hidden_states.shape
         q, _ = self.in_proj_q(hidden_states)
@@ -116,14 +116,24 @@ class GatedDeltaNetMixer(MegatronModule):
         g = -self.A_log.to(sd).exp() * F.softplus(a.transpose(0, 1).to(sd) + self.dt_bias.to(sd))
         o, rec = chunk_gated_delta_rule(q, k, v, g, beta, cached.recurrent if cached is not None else None,
                                         chunk_size=self.chunk_size, state_dtype=sd)
-        if ctx is not None and ctx.collect:
-            ctx.write(self.layer_number, GDNState(conv=conv_state, recurrent=rec))  # may stop the forward here
+        if ctx is not None:
+            ctx.write(self.layer_number, GDNState(conv=conv_state, recurrent=rec))
+        return o
 
+    def forward(self, hidden_states, attention_mask=None, inference_context=None, **kwargs):
+        """hidden_states [S, B, Hd] -> (out [S, B, Hd], None). Reads/writes `GDNState` via the context."""
+        S, B, _ = hidden_states.shape
+        o = self._mix(hidden_states, inference_context)
         z, _ = self.in_proj_z(hidden_states)
         z = z.transpose(0, 1).reshape(B, S, self.hv, self.dv)
         o = self.norm(o.to(hidden_states.dtype), z).reshape(B, S, self.hv * self.dv)
         out, _ = self.out_proj(o.transpose(0, 1).contiguous())
         return out, None
+
+    def produce_state(self, hidden_states, inference_context) -> None:
+        """Only the state after the call, handed to the context (no gate, norm or output projection):
+        exact mode's recompute of the model's last layer, whose output feeds nothing."""
+        self._mix(hidden_states, inference_context)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         return sharded_state_dict_with_tp_params(self, self._TP_PARAMS, prefix, sharded_offsets, metadata,

@@ -1,14 +1,15 @@
 """Per-layer cached state that mixers read (earlier positions) and, on request, write.
 
-The model is run with a `StateContext` passed through Megatron's `inference_context` slot; it is the
-only way branch-replay concerns reach layer code. A mixer asks `ctx.read(layer_number)` for the
-state of earlier positions (None = start of sequence), uses `ctx.position_offset` as the absolute
-position of its first token, and, when `ctx.collect` is set, hands back what its tokens add with
-`ctx.write(layer_number, state)`: attention the K/V of its own positions, GDN its whole state after
-them. What a context does with that (keep, append into a preallocated buffer, record with its
-graph) is the context's business: `StateContext` here keeps a plain dict (tests, simple use);
-prompt_state/ holds the capture / replay / recompute contexts. Layer numbers are Megatron's
-global 1-based ones.
+The model is run with a context passed through Megatron's `inference_context` slot; it is the only
+way branch-replay concerns reach layer code, through one hook per mixer type, with
+`ctx.position_offset` the absolute position of the call's first token:
+- attention: `ctx.key_sets(layer_number, k, v)` with the K/V of the call's own positions returns the
+  key sets (`ops.attention.KeySet`) its queries attend to: earlier positions and its own;
+- Gated DeltaNet: `ctx.read(layer_number)` returns the state entering the call (None = start of
+  sequence), `ctx.write(layer_number, state)` takes its whole state after the call.
+What a context does with them (keep, copy into a preallocated buffer, record with its graph) is the
+context's business: `StateContext` here keeps a plain dict (tests, simple use); prompt_state/ holds
+the capture / replay / recompute contexts. Layer numbers are Megatron's global 1-based ones.
 
 Shapes (local to the TP rank): attention k/v `[B, P, Hk, D]` after k-norm and RoPE; GDN conv window
 `[B, Ch, W-1]` (Ch = local q, k, v channels in that order), recurrent `[B, Hv, Dk, Dv]` in
@@ -20,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from longstraw_mcore.ops.attention import KeySet
 
 
 @dataclass
@@ -52,11 +55,7 @@ class GDNState:
 
 
 class StateContext:
-    """Carries cached state into the mixers and collects their new state."""
-
-    store_attention_probs = False
-    """Attention may keep its probabilities over the cached positions for the backward (no score
-    recompute) instead of O(queries x block) memory; set by a context that has checked they fit."""
+    """Carries cached state into the mixers and, with `collect`, collects their new state."""
 
     def __init__(self, position_offset: int = 0, states: dict | None = None, collect: bool = False):
         if position_offset < 0:
@@ -68,6 +67,15 @@ class StateContext:
 
     def read(self, layer_number: int):
         return self.states.get(layer_number)
+
+    def key_sets(self, layer_number: int, k: torch.Tensor, v: torch.Tensor) -> list[KeySet]:
+        old = self.states.get(layer_number)
+        if old is not None and old.length != self.position_offset:
+            raise ValueError(f"layer {layer_number}: cached K/V hold {old.length} positions but the position "
+                             f"offset is {self.position_offset}")
+        self.write(layer_number, AttentionState(k=k, v=v))
+        own = KeySet(k, v, self.position_offset)
+        return [own] if old is None or old.length == 0 else [KeySet(old.k, old.v, 0), own]
 
     def write(self, layer_number: int, state) -> None:
         """Attention writes the K/V of its own positions (appended to what it read); GDN writes its

@@ -1,0 +1,84 @@
+"""Checks that run before any process group, allocation or write: a bad input fails in
+milliseconds with one line naming the value and what would be valid (exit 2), not mid-run.
+
+`check_run` (config x subcommand x world size), `check_groups` (rollouts x objective x reference),
+`check_save_dir` (checkpoint directory x --resume x --steps). `longstraw check` runs them alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from longstraw_mcore.config import ConfigError, RunConfig
+
+REPLAY_COMMANDS = ("train", "validate")
+
+
+def check_run(cfg: RunConfig, cmd: str, world_size: int | None) -> int | None:
+    """Layout and dtype for `cmd`; returns the data-parallel size when the world size is known."""
+    m, p = cfg.model, cfg.parallel
+    if m.dtype == "float16":
+        raise ConfigError("model.dtype=float16: runs use bfloat16, float32 or float64 (float16 needs loss scaling, "
+                          "which this project does not do); pass model.dtype=bfloat16 to cast float16 weights on load")
+    if cmd in REPLAY_COMMANDS and p.pp != 1:
+        raise ConfigError(f"parallel.pp={p.pp}: `longstraw {cmd}` runs branch replay at pipeline size 1 for now; "
+                          "use tensor/data parallelism (parallel.pp=1)")
+    if cmd == "train" and m.dtype == "float64":
+        raise ConfigError("model.dtype=float64: `longstraw train` needs float32 or bfloat16 (Megatron's optimizer and "
+                          "gradient clipping have no float64 path); float64 is for `longstraw validate`")
+    if p.pp > 1 and m.num_layers % p.pp:
+        raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.pp={p.pp}")
+    return None if world_size is None else p.dp_for(world_size)
+
+
+def check_groups(cfg: RunConfig, groups, has_ref_model: bool) -> None:
+    """The rollouts against the objective, and the reference model against what needs it."""
+    from longstraw_mcore.data.rollouts import RolloutError
+    from longstraw_mcore.loss.dpo import chosen_rejected
+
+    g = cfg.grpo
+    if g.objective == "dpo":
+        for i, grp in enumerate(groups):
+            try:
+                chosen_rejected(grp.rewards, f"group {i}")
+            except ValueError as e:
+                raise RolloutError(f"{e} (grpo.objective=dpo)") from None
+        needs_ref = [i for i, grp in enumerate(groups) if grp.ref_logprobs is None]
+        if has_ref_model and not needs_ref:
+            raise ConfigError("a reference model (--ref-hf/--ref-load) was given but every group carries ref_logprobs, "
+                              "so it would be unused; drop it or drop ref_logprobs from the rollouts")
+        return
+    missing = [i for i, grp in enumerate(groups) if grp.ref_logprobs is None]
+    if g.beta > 0 and missing and not has_ref_model:
+        raise ConfigError(f"grpo.beta={g.beta}: group {missing[0]} has no ref_logprobs ({len(missing)} of {len(groups)} "
+                          "groups lack them) and no reference model was given; pass --ref-hf/--ref-load, add "
+                          "ref_logprobs, or set grpo.beta=0")
+    if has_ref_model and (g.beta == 0 or not missing):
+        why = "grpo.beta=0 (no KL term)" if g.beta == 0 else "every group carries ref_logprobs"
+        raise ConfigError(f"a reference model (--ref-hf/--ref-load) was given but {why}, so it would be unused; "
+                          "drop it" + (" or set grpo.beta > 0" if g.beta == 0 else ""))
+
+
+def check_save_dir(save: str | None, resume: bool, steps: int) -> int | None:
+    """--save/--resume/--steps; returns the step a resume would start from (None: a fresh run)."""
+    from longstraw_mcore.train.checkpoint_dirs import newest_complete, published_steps
+
+    if steps < 1:
+        raise ConfigError(f"--steps {steps}: must be >= 1")
+    if resume and not save:
+        raise ConfigError("--resume needs --save DIR (where the checkpoints are)")
+    if not save:
+        return None
+    root = Path(save)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"--save {save}: exists and is not a directory")
+    published = published_steps(root)
+    if not resume:
+        if published:
+            raise ConfigError(f"--save {save} already holds checkpoints (newest {published[-1][1].name}); pass --resume to "
+                              "continue that run, or choose another directory")
+        return None
+    newest, _ = newest_complete(root)
+    if newest is None:
+        return 0
+    return int(newest.name.split("_")[1])

@@ -1,0 +1,71 @@
+"""`longstraw smoke`: forward + backward of a next-token loss on random tokens through Megatron's
+pipeline engine (any tp/pp): loss, gradient norm, throughput, memory. The first thing to run on a
+new machine or cluster."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+from longstraw_mcore.commands.common import build_and_load, launch_world_size, load_run_config, rank0_print
+from longstraw_mcore.commands.preflight import check_run
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def run(args) -> int:
+    import math
+
+    cfg = load_run_config(args)
+    check_run(cfg, "smoke", launch_world_size())
+    import torch
+
+    from longstraw_mcore.parallel.groups import setup_parallel
+
+    t0 = time.perf_counter()
+    par = setup_parallel(cfg)
+    from longstraw_mcore.loss.logprobs import vocab_parallel_logprobs
+    from longstraw_mcore.parallel.reduce import all_reduce_sum, count_parameters, grad_norm
+    from longstraw_mcore.pipeline import forward_backward
+
+    m = cfg.model
+    model = build_and_load(cfg, par, args.hf, args.load, "smoke")
+    n_params = count_parameters(model, par)
+    rank0_print(f"[smoke] {m.family}: {m.num_layers} layers ({m.layer_types.count('linear_attention')} Gated "
+                f"DeltaNet + {m.layer_types.count('full_attention')} gated attention), hidden {m.hidden_size}, "
+                f"{n_params / 1e6:.3f} M parameters, dtype {m.dtype}, vocabulary {m.vocab_size} "
+                f"(padded to {m.padded_vocab_size(par.tp)})")
+    rank0_print(f"[smoke] layout tp={par.tp} pp={par.pp} cp={par.cp} dp={par.dp} on {par.world_size} "
+                f"{par.device.type} rank(s) ({'gloo' if par.device.type == 'cpu' else 'nccl'}); "
+                f"set-up {time.perf_counter() - t0:.1f} s")
+    gen = torch.Generator().manual_seed(cfg.seed + par.pgs.dp.rank())
+    tokens_per_step = args.batch * args.seq_len * par.dp
+    for step in range(1, args.steps + 1):
+        ids = torch.randint(0, m.vocab_size, (args.batch, args.seq_len + 1), generator=gen)
+        inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].to(par.device)
+
+        def loss_fn(logits_local):
+            loss = -vocab_parallel_logprobs(logits_local, targets, par.pgs.tp, m.vocab_size).mean()
+            return loss, {"loss": loss.detach().clone()}
+
+        model.zero_grad(set_to_none=True)
+        t = time.perf_counter()
+        out = forward_backward(model, par, [inputs], loss_fn)
+        gn = grad_norm(model, par)
+        dt = time.perf_counter() - t
+        loss = all_reduce_sum([float(out[0]["loss"])], par.pgs.dp, par.device)[0] / par.dp  # mean over replicas
+        rank0_print(f"[smoke] step {step}/{args.steps}: loss {loss:.4f} (ln V = {math.log(m.vocab_size):.4f}), grad "
+                    f"norm {gn:.4f}, {tokens_per_step} tokens in {dt:.2f} s ({tokens_per_step / dt:,.0f} tokens/s "
+                    f"fwd+bwd), peak {_peak(par.device):.2f} GiB/rank")
+    rank0_print("[smoke] done: forward + backward ran through Megatron's pipeline engine on every rank")
+    return 0
+
+
+def _peak(device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return peak_rss_gib()

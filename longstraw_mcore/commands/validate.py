@@ -1,0 +1,89 @@
+"""`longstraw validate`: one branch-replay step without an optimizer update. Writes DIR/receipt.json
+(loss, per-token log-probs, grad norm, mode, layout, peak bytes, seconds per phase) and, with
+--dump-grads, DIR/grads.safetensors: full gradients under Hugging Face names, true vocabulary,
+streamed to rank 0 one mapping rule at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from longstraw_mcore.commands.common import (build_and_load, launch_world_size, load_run_config, rank0_print,
+                                             reference_model)
+from longstraw_mcore.commands.preflight import check_groups, check_run
+
+
+def run(args) -> int:
+    from longstraw_mcore.config import ConfigError
+    from longstraw_mcore.data.rollouts import load_rollouts
+
+    if args.mode:
+        args.overrides = list(args.overrides) + [f"replay.mode={args.mode}"]
+    cfg = load_run_config(args)
+    check_run(cfg, "validate", launch_world_size())
+    groups = load_rollouts(args.rollouts, cfg.model.vocab_size)
+    check_groups(cfg, groups, has_ref_model=bool(args.ref_hf or args.ref_load))
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out}: exists and is not an empty directory; refusing to overwrite")
+
+    from longstraw_mcore.parallel.groups import setup_parallel
+
+    par = setup_parallel(cfg)
+    import torch.distributed as dist
+    from megatron.core.distributed import finalize_model_grads
+
+    from longstraw_mcore.parallel.reduce import grad_norm
+    from longstraw_mcore.replay.group_step import process_group
+    from longstraw_mcore.train.trainer import peak_bytes, wrap_ddp
+
+    model = build_and_load(cfg, par, args.hf, args.load, "validate")
+    ddp = wrap_ddp(model, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, distributed_optimizer=False)),
+                   par)
+    ref = reference_model(args, cfg, par)
+    dp_rank, n = par.pgs.dp.rank(), len(groups)
+    mine = [i for i in range(n) if i % par.dp == dp_rank]
+    ddp.zero_grad_buffer()
+    results, seconds = {}, {}
+    for i in mine:
+        st = process_group(ddp, groups[i], cfg.replay, cfg.grpo, par.tp, scale=par.dp / n, ref_model=ref, index=i)
+        results[i] = {"loss": st.loss, "logprobs": st.logprobs, "skipped": st.skipped, "state_bytes": st.state_bytes,
+                      "ref_state_bytes": st.ref_state_bytes}
+        for k, v in (st.seconds or {}).items():
+            seconds[k] = seconds.get(k, 0.0) + v
+        rank0_print(f"[validate] group {i}: loss {st.loss:.6g}, {st.tokens} response tokens, "
+                    f"state {st.state_bytes / 2**20:.3f} MiB")
+    finalize_model_grads([ddp], pg_collection=par.pgs)
+    gn = grad_norm(ddp.module, par)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (results, seconds, peak_bytes(par.device)))
+    if par.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    if args.dump_grads:
+        from longstraw_mcore.checkpoint.convert import dump_hf_tensors
+
+        dump_hf_tensors(ddp.module, cfg.model, out / "grads.safetensors", grads=True, log=rank0_print)
+    if par.rank == 0:
+        merged = {}
+        for res, _, _ in gathered:
+            merged.update(res)
+        receipt = {
+            "loss": sum(merged[i]["loss"] for i in range(n)) / n,
+            "logprobs": [merged[i]["logprobs"] for i in range(n)],
+            "skipped_groups": [i for i in range(n) if merged[i]["skipped"]],
+            "grad_norm": gn, "mode": cfg.replay.mode, "objective": cfg.grpo.objective,
+            "layout": par.layout(), "peak_bytes_per_rank": [p for _, _, p in gathered],
+            "state_bytes_per_group": [merged[i]["state_bytes"] for i in range(n)],
+            "ref_state_bytes_per_group": [merged[i]["ref_state_bytes"] for i in range(n)],
+            "seconds": {k: max(s.get(k, 0.0) for _, s, _ in gathered) for k in gathered[0][1]},
+            "config": dataclasses.asdict(cfg),
+        }
+        tmp = out / ".receipt.json.tmp"
+        tmp.write_text(json.dumps(receipt, indent=1))
+        os.replace(tmp, out / "receipt.json")
+        rank0_print(f"[validate] loss {receipt['loss']:.6g}, grad norm {gn:.6g}, wrote {out}/receipt.json"
+                    + (" and grads.safetensors" if args.dump_grads else ""))
+    dist.barrier()
+    return 0

@@ -1,0 +1,47 @@
+"""The small interface the replay engine reaches a model through (and nothing else of it).
+
+    state_layers()                       {local layer number: layer type} of this stage
+    forward_hidden(input_ids, state)     decoder output [S, B, Hd] under a prompt-state context
+    forward_state(input_ids, state)      exact mode's recompute of a prompt chunk: this stage's
+                                         layers; on the last stage the last layer only as far as
+                                         its state (its output feeds nothing), returning None
+    token_logprobs(hidden, targets, n)   per-token log-probs [B, S] (vocab-parallel, n tokens at a time,
+                                         padded vocabulary entries masked out)
+    tp_size                              tensor-parallel size of the state this model reads/writes
+
+Mixed into each family's model class; the model family's mixers provide `produce_state`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longstraw_mcore.loss.logprobs import token_logprobs
+
+
+class ReplayModelMixin:
+    def state_layers(self) -> dict[int, str]:
+        types = self.model_cfg.layer_types
+        return {layer.layer_number: types[layer.layer_number - 1] for layer in self.decoder.layers}
+
+    @property
+    def tp_size(self) -> int:
+        return self.pg_collection.tp.size()
+
+    def forward_hidden(self, input_ids: torch.Tensor, state) -> torch.Tensor:
+        return self(input_ids, state=state, hidden_only=True)
+
+    def forward_state(self, input_ids: torch.Tensor, state) -> torch.Tensor | None:
+        hidden = self.embedding(input_ids=input_ids, position_ids=None) if self.pre_process else self.decoder.input_tensor
+        layers = list(self.decoder.layers)
+        stop_early = self.post_process  # only the model's last layer has an output nobody needs
+        for layer in (layers[:-1] if stop_early else layers):
+            hidden, _ = layer(hidden_states=hidden, attention_mask=None, inference_context=state)
+        if not stop_early:
+            return hidden
+        last = layers[-1]
+        last.self_attention.produce_state(last.input_layernorm(hidden), state)
+        return None
+
+    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        return token_logprobs(self.output_layer, hidden, targets, chunk, vocab_size=self.model_cfg.vocab_size)

@@ -1,0 +1,133 @@
+"""Prompt state of a Gated DeltaNet layer: the conv window and the recurrent state after the prompt
+(and, in exact mode, the state entering every capture chunk, which that chunk's recompute needs).
+
+Legend: Ch local conv channels (q, k, v), W conv width, Hv local value heads, Dk/Dv head dims.
+
+    capture   read the state entering the chunk (None at the start; exact mode records it as the
+              chunk's boundary), write the state leaving it, copied into storage of its own size (the
+              conv window is a view into the chunk's padded input; kept as a view it would pin it)
+    replay    every branch starts from the final state (expanded over a batch of branches); a
+              branch's own updates are scratch of its graph, never written back
+    exact     the final state becomes autograd leaves in float32 (the conv window is cast; float64
+              stays float64) whose gradients accumulate over branches; chunk c's recompute starts from
+              fresh leaves of its boundary and is seeded with the gradient carried from chunk c+1
+Bytes per layer: (W-1) Ch in the model dtype + Hv Dk Dv in the state dtype; exact mode adds one such
+state per capture chunk after the first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longstraw_mcore.models.mixers.state import GDNState
+from longstraw_mcore.prompt_state.base import LayerState, grad_dtype, own_storage
+
+
+def _leaves(st: GDNState) -> GDNState:
+    """Autograd leaves over `st` (the conv window in float32 so its gradient accumulates there)."""
+    conv = st.conv.detach().to(grad_dtype(st.conv.dtype))  # the same storage when already >= float32
+    return GDNState(conv=conv.requires_grad_(True), recurrent=st.recurrent.detach().requires_grad_(True))
+
+
+def _grads_or_zeros(leaf: GDNState) -> GDNState:
+    return GDNState(conv=leaf.conv.grad if leaf.conv.grad is not None else torch.zeros_like(leaf.conv),
+                    recurrent=leaf.recurrent.grad if leaf.recurrent.grad is not None else torch.zeros_like(leaf.recurrent))
+
+
+class GDNRecurrentState(LayerState):
+    kind = "gdn_state"
+
+    def __init__(self, m, tp: int, captured: int, device, batch: int = 1):
+        self.dtype = m.torch_dtype
+        self.current: GDNState | None = None     # after the positions captured so far
+        self.boundaries: list = []               # exact mode: the state entering chunk c (None for c = 0)
+        self.leaves: GDNState | None = None      # exact mode: leaves over `current` during replay
+        self.entry: GDNState | None = None       # exact mode: leaves entering the chunk being recomputed
+        self.produced: GDNState | None = None
+        self.carried: GDNState | None = None     # gradient of the state leaving the chunk being recomputed
+
+    # --- capture -----------------------------------------------------------------------------------
+    def capture_read(self, chunk: int, keep_boundary: bool) -> GDNState | None:
+        if keep_boundary:
+            assert len(self.boundaries) == chunk, (len(self.boundaries), chunk)
+            self.boundaries.append(self.current)
+        return self.current
+
+    def capture_write(self, new: GDNState) -> None:
+        self.current = GDNState(conv=own_storage(new.conv), recurrent=own_storage(new.recurrent))
+
+    # --- replay ------------------------------------------------------------------------------------
+    def replay_read(self, batch: int) -> GDNState | None:
+        st = self.leaves if self.leaves is not None else self.current
+        if st is None:
+            return None
+        conv = st.conv.to(self.dtype)
+        if batch == 1:
+            return GDNState(conv=conv, recurrent=st.recurrent)
+        return GDNState(conv=conv.expand(batch, -1, -1), recurrent=st.recurrent.expand(batch, -1, -1, -1))
+
+    # --- exact mode --------------------------------------------------------------------------------
+    def enable_grad(self) -> None:
+        self.leaves = None if self.current is None else _leaves(self.current)
+
+    def release_grad(self) -> None:
+        self.leaves = self.entry = self.produced = self.carried = None
+
+    def recompute_read(self, chunk: int) -> GDNState | None:
+        if self.carried is None and self.leaves is not None:  # the last chunk: seeded by the replay's gradients
+            self.carried = _grads_or_zeros(self.leaves)
+        entering = self.boundaries[chunk]
+        self.entry = None if entering is None else _leaves(entering)
+        return None if self.entry is None else GDNState(conv=self.entry.conv.to(self.dtype),
+                                                        recurrent=self.entry.recurrent)
+
+    def recompute_write(self, new: GDNState) -> None:
+        self.produced = new
+
+    def seeds(self, chunk: int):
+        assert self.produced is not None and self.carried is not None, "the recompute did not reach this layer"
+        return [self.produced.conv, self.produced.recurrent], [self.carried.conv, self.carried.recurrent]
+
+    def finish_chunk(self, chunk: int) -> None:
+        self.carried = None if self.entry is None else _grads_or_zeros(self.entry)
+        self.entry = self.produced = None
+
+    # --- memory ------------------------------------------------------------------------------------
+    def kept(self):
+        cur = [] if self.current is None else [self.current.conv, self.current.recurrent]
+        bnd = [t for b in self.boundaries if b is not None for t in (b.conv, b.recurrent)]
+        return {"gdn_state": cur, "gdn_chunk_boundaries": bnd}
+
+    def grad_tensors(self):
+        out = []
+        for st in (self.leaves, self.entry, self.carried):
+            if st is not None:
+                out += [st.conv, st.recurrent]
+                out += [t.grad for t in (st.conv, st.recurrent) if t.grad is not None]
+        return out
+
+    @staticmethod
+    def _per_layer(m, tp: int) -> int:
+        elt = torch.empty(0, dtype=m.torch_dtype).element_size()
+        selt = torch.empty(0, dtype=m.state_dtype).element_size()
+        ch = (2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim) // tp
+        return ((m.linear_conv_kernel_dim - 1) * ch * elt
+                + (m.linear_num_value_heads // tp) * m.linear_key_head_dim * m.linear_value_head_dim * selt)
+
+    @classmethod
+    def analytic_bytes(cls, m, tp: int, captured: int, exact_chunks: int, batch: int = 1) -> dict[str, int]:
+        per = cls._per_layer(m, tp) * batch
+        return {"gdn_state": per if captured > 0 else 0, "gdn_chunk_boundaries": per * max(exact_chunks - 1, 0)}
+
+    @classmethod
+    def analytic_grad_bytes(cls, m, tp: int, captured: int) -> int:
+        """During replay: the gradients of the final state's leaves (>= float32), plus the float32 copy
+        of the conv window when the model dtype is narrower."""
+        if captured == 0:
+            return 0
+        gelt = torch.empty(0, dtype=grad_dtype(m.torch_dtype)).element_size()
+        ch = (2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim) // tp
+        conv = (m.linear_conv_kernel_dim - 1) * ch
+        rec = (m.linear_num_value_heads // tp) * m.linear_key_head_dim * m.linear_value_head_dim
+        copies = conv if grad_dtype(m.torch_dtype) != m.torch_dtype else 0
+        return (conv + rec + copies) * gelt

@@ -1,0 +1,60 @@
+"""The branch-replay schedule of one prompt group, as plain data.
+
+`plan_group` is a pure function of the lengths and the mode; `replay/engine.py` executes the steps
+in order with a small loop. For a prompt of P tokens the captured prefix is x[0:P-1] (the last
+prompt token starts every branch). With P - 1 = 9 captured positions, capture chunks of 4 tokens,
+three branches and exact mode:
+
+    step  phase            index  span    branches
+    0     capture          0      [0, 4)
+    1     capture          1      [4, 8)
+    2     capture          2      [8, 9)
+    3     replay           0              (0,)       one micro-step per branch (or one with every
+    4     replay           1              (1,)       branch when batched); each backward frees its
+    5     replay           2              (2,)       graph before the next
+    6     prompt_backward  2      [8, 9)             exact mode only: chunks from last to first,
+    7     prompt_backward  1      [4, 8)             each recomputed with autograd and seeded with
+    8     prompt_backward  0      [0, 4)             the state gradient accumulated so far
+
+Detached mode stops after the replay steps; scoring (no autograd) is a plan of replay steps alone
+against a state captured before. A stage of a pipeline (a later issue) runs the same steps on its
+own layers: nothing in a step depends on which layers execute it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+
+@dataclass(frozen=True)
+class Step:
+    phase: Literal["capture", "replay", "prompt_backward"]
+    index: int                                  # capture chunk, or replay micro-step
+    span: tuple[int, int] = (0, 0)              # prompt token range of a chunk
+    branches: tuple[int, ...] = ()              # the branches of a replay micro-step
+
+
+def chunk_spans(captured: int, chunk_len: int) -> list[tuple[int, int]]:
+    if chunk_len < 1:
+        raise ValueError(f"chunk_len={chunk_len}: must be >= 1")
+    return [(s, min(captured, s + chunk_len)) for s in range(0, captured, chunk_len)]
+
+
+def replay_steps(order: Sequence[int], batched: bool) -> list[Step]:
+    if batched:
+        return [Step("replay", 0, branches=tuple(order))] if order else []
+    return [Step("replay", i, branches=(b,)) for i, b in enumerate(order)]
+
+
+def plan_group(captured: int, chunk_len: int, order: Sequence[int], mode: str, batched: bool) -> list[Step]:
+    """Capture `captured` prompt positions in chunks, replay the branches in `order`, and in exact mode
+    sweep the chunks back from last to first."""
+    if mode not in ("detached", "exact"):
+        raise ValueError(f"mode={mode!r}: must be 'detached' or 'exact'")
+    spans = chunk_spans(captured, chunk_len)
+    steps = [Step("capture", c, span) for c, span in enumerate(spans)]
+    steps += replay_steps(order, batched)
+    if mode == "exact":
+        steps += [Step("prompt_backward", c, spans[c]) for c in reversed(range(len(spans)))]
+    return steps

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The GPU check: one command, one CUDA GPU, under 8 minutes. Each step logs to OUT/<step>.log and
+# leaves JSON where it measures something; OUT/summary.txt lists every step with ok/FAILED and seconds.
+#   1 smoke       `longstraw smoke`, tiny model, bf16 (count_parameters / grad_norm on NCCL)
+#   2 train       `longstraw train`, tiny, bf16, exact mode, 3 steps with a checkpoint -> train_metrics.jsonl
+#   3 validate    `longstraw validate`, tiny, float64, exact, the same HF weights on CUDA and on CPU;
+#                 tools/compare_validate.py -> validate_compare.json (loss, log-probs, grads <= 1e-10)
+#   4 tests       the unit tests that apply on CUDA (tests/gpu, cpu_compat's cuda case, the attention ops)
+#   5 bench       tools/bench_replay.py at Qwen3.6-27B width, 4 layers, bf16: P=128K detached and
+#                 P=32K exact (R=1K, G=2) -> bench_*.json (tokens/s per phase, peak memory, TFLOP/s
+#                 and the fraction of the H200's dense bf16 peak, 989 TFLOP/s)
+# Usage:
+#   bash scripts/gpu_check.sh [OUT]                  on the CUDA machine (OUT defaults to $OUT, or runs/gpu_check)
+#   bash scripts/gpu_check.sh --cpu-rehearsal [OUT]  every step on the CPU at tiny sizes: tests this script
+# On a bare CUDA image without megatron-core, run scripts/gpu_wheels.sh where pip works first and carry .whl/.
+set -uo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+dev=cuda
+if [ "${1:-}" = "--cpu-rehearsal" ]; then dev=cpu; shift; fi
+out="${1:-${OUT:-runs/gpu_check}}"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+work="$out/work"
+mkdir -p "$work"
+if [ "$dev" = cpu ]; then
+  py="$(bash scripts/env.sh --test)/bin/python"
+else
+  py=python3
+  if ! $py -c 'import megatron.core' >/dev/null 2>&1; then
+    [ -d .whl ] || { echo "megatron-core is missing and there is no .whl/ (run scripts/gpu_wheels.sh)"; exit 1; }
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+  fi
+fi
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+: > "$out/summary.txt"
+failed=0
+step() {  # step NAME CMD...: run, log, time, record
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "[gpu_check] $name: $*"
+  if "$@" > "$out/$name.log" 2>&1; then
+    echo "$name ok $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
+  else
+    echo "$name FAILED $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
+    tail -n 25 "$out/$name.log"
+    failed=1
+  fi
+}
+tiny=configs/qwen3.6-tiny.yaml
+lt="$py -m longstraw_mcore"
+[ "$dev" = cuda ] && { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1 || true; }
+$py -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())' \
+  | tee "$out/versions.txt"
+
+step smoke $lt smoke --config $tiny --steps 2 --seq-len 256 device=$dev model.dtype=bfloat16
+$py tools/make_rollouts.py "$work/rollouts.jsonl" --vocab 512 --groups 4 --prompt-len 300 --group-size 4 \
+  --response-len 24 > /dev/null
+step train $lt train --config $tiny --rollouts "$work/rollouts.jsonl" --steps 3 --save "$work/ckpt" \
+  --metrics-out "$out/train_metrics.jsonl" device=$dev model.dtype=bfloat16 replay.mode=exact replay.chunk_len=64 \
+  train.save_every=3 train.lr=1e-3
+$py tools/make_hf_model.py "$work/hf" --config $tiny model.dtype=float64 > /dev/null
+step validate_$dev $lt validate --hf "$work/hf" --rollouts "$work/rollouts.jsonl" --out "$work/validate_$dev" \
+  --mode exact --dump-grads device=$dev model.dtype=float64 replay.chunk_len=64
+if [ "$dev" = cuda ]; then
+  step validate_cpu $lt validate --hf "$work/hf" --rollouts "$work/rollouts.jsonl" --out "$work/validate_cpu" \
+    --mode exact --dump-grads device=cpu model.dtype=float64 replay.chunk_len=64
+  step validate_compare $py tools/compare_validate.py "$work/validate_cuda" "$work/validate_cpu" --tol 1e-10 \
+    --json "$out/validate_compare.json"
+fi
+step tests $py -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_cpu_compat.py \
+  tests/unit/test_attention_entry.py tests/unit/test_block_attention.py
+if [ "$dev" = cuda ]; then
+  big="--config configs/qwen3.6-27b.yaml --response-lens 1024 --group-sizes 2 --naive-max-prompt 0 --peak-tflops 989"
+  step bench_128k_detached $py tools/bench_replay.py $big --prompt-lens 131072 --modes detached \
+    --out "$out/bench_128k_detached.json" model.num_layers=4 parallel.tp=1 device=cuda
+  step bench_32k_exact $py tools/bench_replay.py $big --prompt-lens 32768 --modes exact \
+    --out "$out/bench_32k_exact.json" model.num_layers=4 parallel.tp=1 device=cuda
+else
+  step bench_rehearsal $py tools/bench_replay.py --config $tiny --prompt-lens 512 --response-lens 32 --group-sizes 2 \
+    --modes detached,exact --naive-max-prompt 0 --peak-tflops 1 --out "$out/bench_rehearsal.json" device=cpu
+fi
+echo "[gpu_check] summary ($out/summary.txt):"
+cat "$out/summary.txt"
+exit $failed

@@ -1,0 +1,120 @@
+"""Bad run-level input is refused before any work: exit status 2, one line on stderr naming the value
+(no traceback), nothing written, Megatron never imported. Each case is a real `python -m
+longstraw_mcore` process (one rank). Also: `--resume` with nothing left to do exits 0 and says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = "configs/qwen3.6-tiny.yaml"
+
+
+def _run(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "longstraw_mcore", *args], cwd=ROOT, env=env, timeout=timeout,
+                          capture_output=True, text=True)
+
+
+def _rollouts(path, groups):
+    path.write_text("".join(json.dumps(g) + "\n" for g in groups))
+    return str(path)
+
+
+def _hf_config(d, **changes):
+    from longstraw_mcore.checkpoint.hf import hf_config_dict
+    from longstraw_mcore.config import load_config
+
+    raw = hf_config_dict(load_config(os.path.join(ROOT, TINY)).model)
+    for k, v in changes.items():
+        if v is None:
+            raw.pop(k)
+        else:
+            raw[k] = v
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(raw))
+    return str(d)
+
+
+G2 = {"prompt": [1, 2, 3], "responses": [[4, 5], [6]], "rewards": [0.0, 1.0]}
+
+
+def _cases(tmp):
+    r3 = _rollouts(tmp / "g3.jsonl", [G2, {"prompt": [1], "responses": [[2], [3], [4]], "rewards": [0, 1, 2]}])
+    eq = _rollouts(tmp / "eq.jsonl", [{**G2, "rewards": [0.5, 0.5]}])
+    ok = _rollouts(tmp / "ok.jsonl", [G2])
+    with_ref = _rollouts(tmp / "ref.jsonl", [{**G2, "ref_logprobs": [[-1.0, -2.0], [-1.5]]}])
+    ckpt = tmp / "ckpt"
+    (ckpt / "step_000004").mkdir(parents=True)
+    (ckpt / "step_000004" / "manifest.json").write_text(json.dumps({"files": {}}))
+    bad = tmp / "bad"
+    (bad / "step_000003").mkdir(parents=True)
+    (bad / "step_000003" / "shard.distcp").write_bytes(b"12345")
+    (bad / "step_000003" / "manifest.json").write_text(json.dumps({"files": {"shard.distcp": 10}}))
+    train = ["train", "--config", TINY, "--steps", "1"]
+    return [
+        ("dpo G=3", train + ["--rollouts", r3, "grpo.objective=dpo"],
+         "group 1: DPO needs exactly 2 responses (chosen, rejected), got 3"),
+        ("dpo equal rewards", train + ["--rollouts", eq, "grpo.objective=dpo"],
+         "group 0: DPO needs different rewards to tell chosen from rejected, got [0.5, 0.5]"),
+        ("beta without reference", train + ["--rollouts", ok, "grpo.beta=0.1"],
+         "grpo.beta=0.1: group 0 has no ref_logprobs"),
+        ("unused reference (dpo)", train + ["--rollouts", with_ref, "--ref-load", str(tmp), "grpo.objective=dpo"],
+         "every group carries ref_logprobs, so it would be unused"),
+        ("unused reference (beta 0)", train + ["--rollouts", ok, "--ref-load", str(tmp)],
+         "grpo.beta=0 (no KL term), so it would be unused"),
+        ("train in float64", train + ["--rollouts", ok, "model.dtype=float64"],
+         "model.dtype=float64: `longstraw train` needs float32 or bfloat16"),
+        ("config.json missing a field", ["train", "--hf", _hf_config(tmp / "nohidden", hidden_size=None),
+                                         "--rollouts", ok, "--steps", "1"],
+         "lacks required field(s) ['hidden_size']"),
+        ("float16 checkpoint", ["validate", "--hf", _hf_config(tmp / "fp16", dtype="float16"), "--rollouts", ok,
+                                "--out", str(tmp / "out_fp16")],
+         "model.dtype=float16: runs use bfloat16, float32 or float64"),
+        ("unknown dtype", ["validate", "--hf", _hf_config(tmp / "fp8", dtype="float8_e4m3fn"), "--rollouts", ok,
+                           "--out", str(tmp / "out_fp8")],
+         "dtype 'float8_e4m3fn' is not one of"),
+        ("save dir holds checkpoints", train + ["--rollouts", ok, "--save", str(ckpt)],
+         "already holds checkpoints (newest step_000004); pass --resume"),
+        ("damaged checkpoint, nothing to fall back to", train + ["--rollouts", ok, "--save", str(bad), "--resume",
+                                                                 "--steps", "9"],
+         f"{bad}/step_000003/shard.distcp: 5 bytes, the manifest records 10"),
+        ("resume without save", train + ["--rollouts", ok, "--resume"], "--resume needs --save DIR"),
+        ("pipeline for replay", train + ["--rollouts", ok, "parallel.pp=2"], "parallel.pp=2: `longstraw train` runs"),
+    ]
+
+
+def test_each_bad_input_exits_2_with_one_line(tmp_path):
+    for name, args, needle in _cases(tmp_path):
+        r = _run(*args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2, (name, r.returncode, r.stderr[-2000:])
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (name, r.stderr)
+        assert "Traceback" not in r.stderr and r.stdout == "", (name, r.stdout)
+    assert not (tmp_path / "out_fp16").exists() and not (tmp_path / "out_fp8").exists()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000004"]
+
+
+def test_resume_with_nothing_left_to_do_exits_0(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step_000004").mkdir(parents=True)
+    (ckpt / "step_000004" / "manifest.json").write_text(json.dumps({"files": {}}))
+    ok = _rollouts(tmp_path / "ok.jsonl", [G2])
+    r = _run("train", "--config", TINY, "--rollouts", ok, "--save", str(ckpt), "--resume", "--steps", "4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "complete checkpoint at step 4 >= --steps 4: nothing to do" in r.stdout
+
+
+@pytest.mark.parametrize("world,overrides,ok", [(8, ["parallel.tp=4"], True), (6, ["parallel.tp=4"], False)])
+def test_check_command(world, overrides, ok):
+    r = _run("check", "--config", "configs/qwen3.6-27b.yaml", "--world-size", str(world), *overrides)
+    if ok:
+        assert r.returncode == 0 and "[check] ok: `longstraw train`" in r.stdout and "dp=2 on 8 ranks" in r.stdout, \
+            r.stderr
+    else:
+        assert r.returncode == 2 and "world size 6 is not divisible by tp*pp*cp = 4*1*1 = 4" in r.stderr

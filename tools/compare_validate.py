@@ -1,0 +1,57 @@
+#!/usr/bin/env python
+"""Compare two `longstraw validate` outputs (e.g. the same run on CUDA and on CPU): loss, per-token
+log-probs, grad norm (receipt.json) and every dumped gradient (grads.safetensors), as relative
+differences; exit status 1 if any exceeds --tol.
+
+  python tools/compare_validate.py DIR_A DIR_B [--tol 1e-10] [--json OUT]
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def compare(a: Path, b: Path) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    ra, rb = (json.loads((d / "receipt.json").read_text()) for d in (a, b))
+
+    def rel(x, y):
+        return abs(x - y) / max(abs(y), 1e-300)
+
+    lp = max((abs(x - y) for g1, g2 in zip(ra["logprobs"], rb["logprobs"]) for b1, b2 in zip(g1, g2)
+              for x, y in zip(b1, b2)), default=0.0)
+    out = {"loss": rel(ra["loss"], rb["loss"]), "logprob_abs": lp, "grad_norm": rel(ra["grad_norm"], rb["grad_norm"])}
+    if (a / "grads.safetensors").is_file() and (b / "grads.safetensors").is_file():
+        ga, gb = load_file(str(a / "grads.safetensors")), load_file(str(b / "grads.safetensors"))
+        if set(ga) != set(gb):
+            raise SystemExit(f"gradient names differ: {sorted(set(ga) ^ set(gb))[:5]}")
+        worst = max(ga, key=lambda k: float((ga[k].double() - gb[k].double()).abs().max()
+                                            / gb[k].double().abs().max().clamp_min(1e-300)))
+        out["grad_worst"] = float((ga[worst].double() - gb[worst].double()).abs().max()
+                                  / gb[worst].double().abs().max().clamp_min(1e-300))
+        out["grad_worst_name"] = worst
+    del torch
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--tol", type=float, default=1e-10)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    out = compare(Path(args.a), Path(args.b))
+    out["tol"] = args.tol
+    out["ok"] = all(v <= args.tol for k, v in out.items() if isinstance(v, float) and k != "tol")
+    print(json.dumps(out, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0 if out["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
