@@ -222,7 +222,7 @@ def _fmt(r) -> str:
             f"{'stored' if r['store_probs'] else 'recompute'} {r['flops_measured'] / 1e12:7.3f} TF "
             f"(algo {r['measured_over_algorithm']:.3f}x, "
             f"min {r['measured_over_minimum']:.3f}x) peak {r['peak_bytes'] / 2**20:7.1f}MiB "
-            f"state {r['state_bytes'] / 2**20:.2f}MiB, {r['tflops_per_s']:.2f} TFLOP/s"
+            f"state {r['state_bytes'] / 2**20:.2f}MiB, {r['tflops_per_s']:.3g} TFLOP/s"
             + (f" ({100 * r['fraction_of_peak']:.1f}% of peak)" if r.get("fraction_of_peak") else "")
             + f" | {naive}, analytic ratio {r['analytic_ratio_naive_over_replay']:.2f}")
 
