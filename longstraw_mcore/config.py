@@ -130,7 +130,8 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline parallel size."""
     cp: int = 1
-    """Context parallel size (prompt sharded by sequence)."""
+    """Context parallel size: the prompt and its state sharded by sequence (zig-zag pieces of every
+    capture chunk), branches replayed whole on every CP rank (prompt_state/contexts.py)."""
     ep: int = 1
     """Expert parallel size (MoE families only)."""
 
@@ -272,8 +273,13 @@ def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:
         raise ConfigError(f"parallel.pp={p.pp} exceeds model.num_layers={m.num_layers}")
     if p.ep != 1:
         raise ConfigError(f"parallel.ep={p.ep}: the {m.family} family has no experts; use parallel.ep=1")
-    if p.cp != 1:
-        raise ConfigError(f"parallel.cp={p.cp}: context parallelism is not implemented yet; use parallel.cp=1")
+    if p.cp > 1:  # Gated DeltaNet runs on 1/(tp*cp) of its heads during capture (prompt_state/contexts.py)
+        for name, v in (("model.linear_num_key_heads", m.linear_num_key_heads),
+                        ("model.linear_num_value_heads", m.linear_num_value_heads)):
+            if v % (tp * p.cp):
+                valid = [c for c in range(1, v // tp + 1) if (v // tp) % c == 0]
+                raise ConfigError(f"{name}={v} is not divisible by parallel.tp*parallel.cp={tp}*{p.cp}; context "
+                                  f"parallel sizes that divide it at tp={tp}: {valid}")
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:

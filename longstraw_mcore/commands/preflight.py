@@ -37,6 +37,14 @@ def check_groups(cfg: RunConfig, groups, has_ref_model: bool) -> None:
     from longstraw_mcore.loss.dpo import chosen_rejected
 
     g = cfg.grpo
+    cp = cfg.parallel.cp
+    if cp > 1:
+        short = [i for i, grp in enumerate(groups) if len(grp.prompt) - 1 < cp]
+        if short:
+            i = short[0]
+            raise RolloutError(f"group {i}: prompt of {len(groups[i].prompt)} tokens is too short for parallel.cp={cp} "
+                               f"(every context-parallel rank needs at least one of the prompt[:-1] positions: "
+                               f"need >= {cp + 1} tokens; {len(short)} group(s) affected)")
     if g.objective == "dpo":
         for i, grp in enumerate(groups):
             try:

@@ -7,7 +7,8 @@
                                          its state (its output feeds nothing), returning None
     token_logprobs(hidden, targets, n)   per-token log-probs [B, S] (vocab-parallel, n tokens at a time,
                                          padded vocabulary entries masked out)
-    tp_size                              tensor-parallel size of the state this model reads/writes
+    tp_size                              tensor-parallel size of the state
+    cp_group                             the context-parallel group (Megatron's LanguageModule sets it)
 
 Mixed into each family's model class; the model family's mixers provide `produce_state`.
 """

@@ -41,13 +41,15 @@ class KeySet:
     """Keys/values [Bk, S, Hk, D] whose key 0 sits at absolute position `start` (Bk = 1 serves every
     query row). `grad = (acc_k, acc_v)`: >= float32 accumulators shaped like k/v that receive dK/dV
     (state gradients); otherwise gradients flow to k/v through autograd when they require them.
-    `store_probs`: keep this set's probabilities for the backward (no score recompute; O(T * S))."""
+    `store_probs`: keep this set's probabilities for the backward (no score recompute; O(T * S)).
+    `grad_scale`: factor on what is added to `grad` (context parallelism's exact-mode recompute)."""
 
     k: torch.Tensor
     v: torch.Tensor
     start: int
     grad: tuple[torch.Tensor, torch.Tensor] | None = None
     store_probs: bool = False
+    grad_scale: float = 1.0
 
     def __post_init__(self):
         assert self.k.dim() == 4 and self.k.shape[:3] == self.v.shape[:3], (self.k.shape, self.v.shape)
@@ -62,10 +64,10 @@ def _kernel(q: torch.Tensor):
 class _MergedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, cfg, *kv):
-        q_start, scale, block, sets = cfg  # sets: ((start, grad, store), ...) per key set
+        q_start, scale, block, sets = cfg  # sets: ((start, grad, store, grad_scale), ...) per key set
         kern = _kernel(q)
         outs, lses, kept = [], [], []
-        for j, (start, _, store) in enumerate(sets):
+        for j, (start, _, store, _) in enumerate(sets):
             o, lse, kp = kern.partial_forward(q, kv[2 * j], kv[2 * j + 1], q_start, start, scale, block, store)
             outs.append(o)
             lses.append(lse)
@@ -101,12 +103,12 @@ class _MergedAttention(torch.autograd.Function):
         dq = None
         grads = []
         it = iter(flat)
-        for j, (start, sink, _) in enumerate(sets):
+        for j, (start, sink, _, sink_scale) in enumerate(sets):
             keys = ctx.kept_keys[j]
             kept = None if keys is None else {key: (next(it), next(it)) for key in keys}
             dqj, dk, dv = kern.partial_backward(q, kv[2 * j], kv[2 * j + 1], do, delta, lse_h, q_start, start,
                                                 scale, block, kept, need_q, ctx.needs_input_grad[2 + 2 * j],
-                                                ctx.needs_input_grad[3 + 2 * j], sink=sink)
+                                                ctx.needs_input_grad[3 + 2 * j], sink=sink, sink_scale=sink_scale)
             if dqj is not None:
                 dq = dqj if dq is None else dq + dqj
             grads += [None if dk is None else dk.transpose(1, 2).to(kv[2 * j].dtype),
@@ -130,7 +132,7 @@ def attention(q: torch.Tensor, key_sets: list[KeySet], q_start: int, scale: floa
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     # probabilities are only worth keeping for a backward (grad mode is off inside Function.forward)
     store = torch.is_grad_enabled()
-    sets = tuple((int(ks.start), ks.grad, bool(ks.store_probs) and store) for ks in key_sets)
+    sets = tuple((int(ks.start), ks.grad, bool(ks.store_probs) and store, float(ks.grad_scale)) for ks in key_sets)
     kv = [t for ks in key_sets for t in (ks.k, ks.v)]
     return _MergedAttention.apply(q, (int(q_start), scale, int(block), sets), *kv)
 

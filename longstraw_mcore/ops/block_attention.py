@@ -97,12 +97,13 @@ def partial_forward(q, k, v, q_start: int, k_start: int, scale: float, block: in
 
 
 def partial_backward(q, k, v, do, delta, lse, q_start: int, k_start: int, scale: float, block: int, kept,
-                     need_q: bool, need_k: bool, need_v: bool, sink=None):
+                     need_q: bool, need_k: bool, need_v: bool, sink=None, sink_scale: float = 1.0):
     """This key set's share of the gradient, given the merged attention's lse and delta.
 
     do [B,Hq,T,Dv], delta / lse [B,Hq,T] (work dtype; lse the *merged* one). Returns (dq [B,Hq,T,D]
     work or None, dk, dv [Bk,Hk,S,*] work or None). With `sink = (acc_k, acc_v)` ([Bk, S, Hk, *],
-    >= float32) dK/dV are added there block by block and (None, None) is returned for them."""
+    >= float32) dK/dV are added there block by block, times `sink_scale`, and (None, None) is
+    returned for them."""
     B, T, Hq, D = q.shape
     Bk, S, Hk = k.shape[0], k.shape[1], k.shape[2]
     rep = Hq // Hk
@@ -143,13 +144,13 @@ def partial_backward(q, k, v, do, delta, lse, q_start: int, k_start: int, scale:
             if sink is None:
                 dk[:, :, s0:s1] += g
             else:
-                sink[0][:, s0:s1] += g.transpose(1, 2)
+                sink[0][:, s0:s1] += g.transpose(1, 2) * sink_scale if sink_scale != 1.0 else g.transpose(1, 2)
         if need_v:
             g = fold(p.transpose(-1, -2) @ dob)
             if sink is None:
                 dv[:, :, s0:s1] += g
             else:
-                sink[1][:, s0:s1] += g.transpose(1, 2)
+                sink[1][:, s0:s1] += g.transpose(1, 2) * sink_scale if sink_scale != 1.0 else g.transpose(1, 2)
     return dq, dk, dv
 
 

@@ -1,6 +1,7 @@
 """Prompt state of a full-attention layer: K (after k-norm and RoPE) and V of every captured position.
 
-Legend: P_c captured positions (prompt length - 1), Hk kv heads local to this TP rank, D head dim.
+Legend: P_c captured positions (prompt length - 1; under context parallelism this rank's share of
+them, in chunk order), Hk kv heads local to this TP rank, D head dim.
 
     capture   chunk [s0, s1): its K/V are copied into the preallocated buffers [1, P_c, Hk, D], and
               its queries attend causally to buffer[:, :s1] in one call (no merge)
@@ -33,28 +34,36 @@ class AttentionKV(LayerState):
         shape = (batch, captured, m.num_key_value_heads // tp, m.head_dim)
         self.k = torch.zeros(shape, dtype=m.torch_dtype, device=device)
         self.v = torch.zeros(shape, dtype=m.torch_dtype, device=device)
-        self.length = 0                                  # positions written so far
+        self.length = 0                                  # positions written so far (this rank's)
+        self.global_end = 0                              # the prompt position the state reaches
         self.grad: tuple[torch.Tensor, torch.Tensor] | None = None
         self.produced: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.span = (0, 0)
+        self.local_span = (0, 0)
 
     # --- capture: write this chunk's K/V, attend to everything up to its end -----------------------
-    def capture_keys(self, k: torch.Tensor, v: torch.Tensor, offset: int) -> list[KeySet]:
+    def capture_keys(self, k: torch.Tensor, v: torch.Tensor, local_offset: int, span: tuple[int, int],
+                     merged: bool = True) -> list[KeySet]:
+        """Copy the chunk's K/V (this rank's tokens of it) to the buffer at `local_offset`. `merged`
+        (one rank): one key set over the buffer up to the chunk's end, one causal call; otherwise
+        (context parallel) the earlier state's shard and the chunk's own keys, apart."""
         t = k.shape[1]
-        if self.length != offset or offset + t > self.k.shape[1]:
+        if self.length != local_offset or local_offset + t > self.k.shape[1]:
             raise ValueError(f"attention state holds {self.length} of {self.k.shape[1]} positions; a chunk of {t} "
-                             f"at offset {offset} does not continue it")
+                             f"at offset {local_offset} does not continue it")
         assert k.shape[0] == self.k.shape[0] and k.shape[2:] == self.k.shape[2:] and k.dtype == self.k.dtype, \
             (k.shape, k.dtype, self.k.shape, self.k.dtype)
-        self.k[:, offset:offset + t].copy_(k)
-        self.v[:, offset:offset + t].copy_(v)
-        self.length = offset + t
-        return [KeySet(self.k[:, :self.length], self.v[:, :self.length], 0)]
+        self.k[:, local_offset:local_offset + t].copy_(k)
+        self.v[:, local_offset:local_offset + t].copy_(v)
+        self.length, self.global_end = local_offset + t, span[1]
+        if merged:
+            return [KeySet(self.k[:, :self.length], self.v[:, :self.length], 0)]
+        prior = [KeySet(self.k[:, :local_offset], self.v[:, :local_offset], 0)] if local_offset else []
+        return prior + [KeySet(k, v, span[0])]
 
-    # --- replay: the whole prompt (read in place) and the branch's own keys -----------------------
+    # --- replay: the whole prompt (read in place) and the branch's own keys (last) -------------------
     def replay_keys(self, k: torch.Tensor, v: torch.Tensor, offset: int, store_probs: bool) -> list[KeySet]:
-        if offset != self.length:
-            raise ValueError(f"attention state holds {self.length} positions but the branch starts at {offset}")
+        if offset != self.global_end:
+            raise ValueError(f"attention state covers {self.global_end} positions but the branch starts at {offset}")
         own = KeySet(k, v, offset)
         if self.length == 0:
             return [own]
@@ -70,19 +79,21 @@ class AttentionKV(LayerState):
     def release_grad(self) -> None:
         self.grad, self.produced = None, None
 
-    def recompute_keys(self, k: torch.Tensor, v: torch.Tensor, span: tuple[int, int]) -> list[KeySet]:
-        s0, s1 = span
-        assert self.grad is not None and k.shape[1] == s1 - s0, (k.shape, span)
-        self.produced, self.span = (k, v), span
-        own = KeySet(k, v, s0)
-        if s0 == 0:
+    def recompute_keys(self, k: torch.Tensor, v: torch.Tensor, local_span: tuple[int, int], span: tuple[int, int],
+                       deposit_scale: float = 1.0) -> list[KeySet]:
+        ls0, ls1 = local_span
+        assert self.grad is not None and k.shape[1] == ls1 - ls0, (k.shape, local_span)
+        self.produced, self.local_span = (k, v), local_span
+        own = KeySet(k, v, span[0])
+        if ls0 == 0:
             return [own]
-        return [KeySet(self.k[:, :s0], self.v[:, :s0], 0, grad=(self.grad[0][:, :s0], self.grad[1][:, :s0])), own]
+        return [KeySet(self.k[:, :ls0], self.v[:, :ls0], 0, grad=(self.grad[0][:, :ls0], self.grad[1][:, :ls0]),
+                       grad_scale=deposit_scale), own]
 
     def seeds(self, chunk: int):
         assert self.produced is not None, "the recompute did not reach this layer"
-        s0, s1 = self.span
-        return list(self.produced), [self.grad[0][:, s0:s1], self.grad[1][:, s0:s1]]
+        ls0, ls1 = self.local_span
+        return list(self.produced), [self.grad[0][:, ls0:ls1], self.grad[1][:, ls0:ls1]]
 
     def finish_chunk(self, chunk: int) -> None:
         self.produced = None
@@ -95,7 +106,8 @@ class AttentionKV(LayerState):
         return list(self.grad) if self.grad is not None else []
 
     @classmethod
-    def analytic_bytes(cls, m, tp: int, captured: int, exact_chunks: int, batch: int = 1) -> dict[str, int]:
+    def analytic_bytes(cls, m, tp: int, captured: int, exact_chunks: int, batch: int = 1, cp: int = 1) -> dict[str, int]:
+        """`captured`: the positions this rank holds (under CP its zig-zag share, parallel/cp.py)."""
         return {"attention_kv": 2 * (m.num_key_value_heads // tp) * m.head_dim * captured * _elt(m.torch_dtype) * batch}
 
     @classmethod

@@ -31,6 +31,9 @@ class LayerState:
         """Exact mode: the extra tensors of the state gradient (accumulators, leaf copies)."""
         return []
 
+    def finish_capture(self, layout) -> None:
+        """After the last capture chunk (`layout`: the CP layout, or None)."""
+
     def enable_grad(self) -> None:
         """Exact mode, before the first branch: start accumulating the state gradient."""
 
@@ -45,7 +48,9 @@ class LayerState:
         """After the backward of `chunk`'s recompute."""
 
     @classmethod
-    def analytic_bytes(cls, m, tp: int, captured: int, exact_chunks: int, batch: int = 1) -> dict[str, int]:
+    def analytic_bytes(cls, m, tp: int, captured: int, exact_chunks: int, batch: int = 1, cp: int = 1) -> dict[str, int]:
+        """Bytes this rank keeps for one layer: `captured` positions of its own (under context
+        parallelism its share), `exact_chunks` capture chunks in exact mode, `cp` ranks."""
         raise NotImplementedError
 
     @classmethod

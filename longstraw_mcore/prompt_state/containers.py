@@ -21,8 +21,10 @@ from longstraw_mcore.prompt_state.base import storage_bytes
 @dataclass
 class PromptState:
     layers: dict                   # layer_number -> state kind object (AttentionKV, GDNRecurrentState, ...)
-    length: int = 0                # captured positions
-    chunk_bounds: list = field(default_factory=list)   # [(start, end)] of capture chunks
+    length: int = 0                # captured positions (of the whole prompt)
+    chunk_bounds: list = field(default_factory=list)   # [(start, end)] of capture chunks, prompt positions
+    local_bounds: list = field(default_factory=list)   # [(start, end)] of each chunk in this rank's buffers
+    # (the same as chunk_bounds without context parallelism; this rank's zig-zag share otherwise)
 
     def nbytes_by_type(self) -> dict[str, int]:
         seen: set[int] = set()
@@ -41,6 +43,10 @@ class PromptState:
         seen: set[int] = set()
         storage_bytes([t for st in self.layers.values() for ts in st.kept().values() for t in ts], seen)
         return storage_bytes([t for st in self.layers.values() for t in st.grad_tensors()], seen)
+
+    def finish_capture(self, layout) -> None:
+        for st in self.layers.values():
+            st.finish_capture(layout)
 
     # exact mode, dispatched to every layer's kind
     def enable_grad(self) -> None:
@@ -72,13 +78,14 @@ def allocate(model_cfg: ModelConfig, layer_types: dict[int, str], tp: int, captu
 
 
 def analytic_state_bytes(m: ModelConfig, tp: int, captured: int, exact_chunks: int = 0, batch: int = 1,
-                         layer_types: list[str] | None = None) -> dict[str, int]:
+                         layer_types: list[str] | None = None, cp: int = 1) -> dict[str, int]:
     """Per-rank prompt-state bytes by category for the given layers (default: every layer), from each
-    layer kind's formula; exact mode (`exact_chunks` capture chunks) adds the GDN chunk boundaries."""
+    layer kind's formula; exact mode (`exact_chunks` capture chunks) adds the GDN chunk boundaries.
+    `captured`: the positions this rank holds (with `cp` > 1 its share: parallel/cp.py)."""
     kinds = get_family(m.family).state_kinds
     out: dict[str, int] = {}
     for t in (m.layer_types if layer_types is None else layer_types):
-        for cat, b in kinds[t].analytic_bytes(m, tp, captured, exact_chunks, batch).items():
+        for cat, b in kinds[t].analytic_bytes(m, tp, captured, exact_chunks, batch, cp).items():
             out[cat] = out.get(cat, 0) + b
     return out
 

@@ -1,9 +1,10 @@
 """The three ways a model run meets the prompt state (passed as the mixers' `inference_context`).
 
-Mixers call one hook per mixer type and never see which context they run under:
-attention-like mixers `ctx.key_sets(layer, k, v)` (-> the key sets to attend to), recurrent mixers
-`ctx.read(layer)` (-> the state entering this call) and `ctx.write(layer, state)` (the state after
-it). Each context forwards the hook to that layer's state kind for its phase:
+Mixers call one hook per mixer type and never see which context they run under (models/mixers/
+state.py): attention `ctx.key_sets(layer, k, v)` then `ctx.attend(q, key_sets, q_start, block)`,
+Gated DeltaNet `ctx.recurrent(layer, core, inputs, n_k_heads)` (through `read` / `write`), every
+mixer `ctx.positions(S, device)`. Each context forwards state hooks to that layer's state kind for
+its phase:
 
 - `CaptureContext`: a no-grad prompt chunk; kinds store what later tokens need (exact mode: GDN
   kinds also record the state entering the chunk).
@@ -12,32 +13,82 @@ it). Each context forwards the hook to that layer's state kind for its phase:
   updates are scratch of its graph, freed with it.
 - `RecomputeContext`: exact mode's reverse sweep, chunk c with autograd against the state before
   it; kinds record what the chunk produces, to be seeded with the accumulated gradient.
+
+With context parallelism (`layout`: parallel/cp.py) a capture or recompute chunk holds this rank's
+zig-zag pieces of the chunk, its positions are those pieces', attention is
+`parallel.cp_attention.chunk_attention` (this rank's shard of the earlier state, the chunk's keys
+gathered) and the GDN core runs on the whole chunk for this rank's 1/n of the heads
+(`SeqToHeads` / `HeadsToSeq`), from and to a head-sharded state. A replayed branch is whole on every
+rank: its attention is `replay_attention` (this rank's prompt shard, the branch's own keys counted
+once), its GDN core reads the full final state. In exact mode's recompute the seeds are scaled by
+n and what the sweep deposits into state gradients by 1/n: the recomputed chunk's parameter
+gradients are partial per rank (each rank recomputes 1/n of the tokens) while the replay's are
+replicated, and Megatron DDP averages over data x context parallel ranks.
 """
 
 from __future__ import annotations
 
+import torch
+
+from longstraw_mcore.models.mixers.state import StateHooks
+from longstraw_mcore.ops.attention import KeySet
+from longstraw_mcore.parallel.cp import CPLayout, local_positions
 from longstraw_mcore.prompt_state.containers import PromptState
 
 
-class _Base:
-    def __init__(self, state: PromptState, offset: int):
-        self.state, self.position_offset = state, offset
-
-    # Megatron only asks these under CUDA-graph inference.
-    def is_static_batching(self) -> bool:
-        return True
-
-    def is_decode_only(self) -> bool:
-        return False
+class _Base(StateHooks):
+    def __init__(self, state: PromptState, offset: int, layout: CPLayout | None = None):
+        self.state, self.position_offset, self.layout = state, offset, layout
 
 
-class CaptureContext(_Base):
-    def __init__(self, state: PromptState, chunk: int, span: tuple[int, int], keep_boundaries: bool):
-        super().__init__(state, span[0])
-        self.chunk, self.keep_boundaries = chunk, keep_boundaries
+class _ChunkBase(_Base):
+    """A prompt chunk [s0, s1): under CP this rank's pieces of it."""
+
+    def __init__(self, state: PromptState, chunk: int, layout: CPLayout | None):
+        self.span = state.chunk_bounds[chunk]
+        super().__init__(state, self.span[0], layout)
+        self.chunk, self.local_span = chunk, state.local_bounds[chunk]
+        self.T = self.span[1] - self.span[0]
+
+    def positions(self, S: int, device) -> torch.Tensor:
+        if self.layout is None:
+            return super().positions(S, device)
+        pos = local_positions(self.T, self.layout.size, self.layout.rank)
+        assert len(pos) == S, (len(pos), S)
+        return torch.tensor(pos, dtype=torch.long, device=device) + self.span[0]
+
+    def attend(self, q, keys: list[KeySet], q_start: int, block: int):
+        if self.layout is None:
+            return super().attend(q, keys, q_start, block)
+        from longstraw_mcore.parallel.cp_attention import chunk_attention
+
+        *prior, own = keys  # this rank's shard of the earlier chunks (maybe none), its pieces of this one
+        return chunk_attention(q, own.k, own.v, prior[0] if prior else None, self.span[0], self.T, self.layout,
+                               block=block)
+
+    def recurrent(self, n: int, core, inputs: tuple, n_k_heads: int):
+        if self.layout is None:
+            return super().recurrent(n, core, inputs, n_k_heads)
+        from longstraw_mcore.parallel.cp_comm import HeadsToSeq, SeqToHeads
+
+        L = self.layout
+        if n_k_heads % L.size:
+            raise ValueError(f"{n_k_heads} Gated DeltaNet key heads per tensor-parallel rank do not split over "
+                             f"{L.size} context-parallel ranks")
+        h = n_k_heads // L.size
+        whole = [SeqToHeads.apply(x, L, self.T) for x in inputs]
+        out, new = core(*whole, heads=(L.rank * h, (L.rank + 1) * h), state=self.read(n))
+        self.write(n, new)
+        return HeadsToSeq.apply(out, L, self.T)
+
+
+class CaptureContext(_ChunkBase):
+    def __init__(self, state: PromptState, chunk: int, keep_boundaries: bool, layout: CPLayout | None = None):
+        super().__init__(state, chunk, layout)
+        self.keep_boundaries = keep_boundaries
 
     def key_sets(self, n: int, k, v):
-        return self.state.layers[n].capture_keys(k, v, self.position_offset)
+        return self.state.layers[n].capture_keys(k, v, self.local_span[0], self.span, merged=self.layout is None)
 
     def read(self, n: int):
         return self.state.layers[n].capture_read(self.chunk, self.keep_boundaries)
@@ -49,12 +100,20 @@ class CaptureContext(_Base):
 class ReplayContext(_Base):
     """A branch (or a batch of `batch` branches) starting at position `state.length`."""
 
-    def __init__(self, state: PromptState, batch: int = 1, store_probs: bool = False):
-        super().__init__(state, state.length)
+    def __init__(self, state: PromptState, batch: int = 1, store_probs: bool = False, layout: CPLayout | None = None):
+        super().__init__(state, state.length, layout)
         self.batch, self.store_probs = batch, store_probs  # store_probs: the engine checked they fit
 
     def key_sets(self, n: int, k, v):
         return self.state.layers[n].replay_keys(k, v, self.position_offset, self.store_probs)
+
+    def attend(self, q, keys: list[KeySet], q_start: int, block: int):
+        if self.layout is None:
+            return super().attend(q, keys, q_start, block)
+        from longstraw_mcore.parallel.cp_attention import replay_attention
+
+        *shard, own = keys  # the kinds put the branch's own keys last
+        return replay_attention(q, shard, [own], q_start, self.layout, block=block)
 
     def read(self, n: int):
         return self.state.layers[n].replay_read(self.batch)
@@ -63,17 +122,16 @@ class ReplayContext(_Base):
         pass  # the branch's own state is scratch of its graph
 
 
-class RecomputeContext(_Base):
-    def __init__(self, state: PromptState, chunk: int):
-        self.span = state.chunk_bounds[chunk]
-        super().__init__(state, self.span[0])
-        self.chunk = chunk
+class RecomputeContext(_ChunkBase):
+    def __init__(self, state: PromptState, chunk: int, layout: CPLayout | None = None):
+        super().__init__(state, chunk, layout)
+        self.deposit_scale = 1.0 / (layout.size if layout is not None else 1)
 
     def key_sets(self, n: int, k, v):
-        return self.state.layers[n].recompute_keys(k, v, self.span)
+        return self.state.layers[n].recompute_keys(k, v, self.local_span, self.span, self.deposit_scale)
 
     def read(self, n: int):
-        return self.state.layers[n].recompute_read(self.chunk)
+        return self.state.layers[n].recompute_read(self.chunk, self.deposit_scale)
 
     def write(self, n: int, new) -> None:
         self.state.layers[n].recompute_write(new)

@@ -29,6 +29,32 @@ def _leaves(st: GDNState) -> GDNState:
     return GDNState(conv=conv.requires_grad_(True), recurrent=st.recurrent.detach().requires_grad_(True))
 
 
+def _split_conv(conv: torch.Tensor, channels: tuple[int, int, int], parts: int) -> list[torch.Tensor]:
+    """A head shard's conv window [B, Ch/parts, W-1], laid out q | k | v -> its [q, k, v] pieces."""
+    return list(torch.split(conv, [c // parts for c in channels], 1))
+
+
+def _gather_heads(st: GDNState, layout, channels) -> GDNState:
+    """Head shards of every CP rank -> the whole state (conv channels reassembled as q | k | v)."""
+    import torch.distributed as dist
+
+    convs = [torch.empty_like(st.conv) for _ in range(layout.size)]
+    recs = [torch.empty_like(st.recurrent) for _ in range(layout.size)]
+    dist.all_gather(convs, st.conv.contiguous(), group=layout.group)
+    dist.all_gather(recs, st.recurrent.contiguous(), group=layout.group)
+    pieces = [_split_conv(c, channels, layout.size) for c in convs]
+    conv = torch.cat([torch.cat([p[i] for p in pieces], 1) for i in range(3)], 1)
+    return GDNState(conv=conv, recurrent=torch.cat(recs, 1))
+
+
+def _own_heads(st: GDNState, layout, channels) -> GDNState:
+    """The whole state -> this CP rank's head shard (the inverse of `_gather_heads`)."""
+    n, r = layout.size, layout.rank
+    q, k, v = torch.split(st.conv, list(channels), 1)
+    conv = torch.cat([x.chunk(n, 1)[r] for x in (q, k, v)], 1)
+    return GDNState(conv=conv.contiguous(), recurrent=st.recurrent.chunk(n, 1)[r].contiguous())
+
+
 def _grads_or_zeros(leaf: GDNState) -> GDNState:
     return GDNState(conv=leaf.conv.grad if leaf.conv.grad is not None else torch.zeros_like(leaf.conv),
                     recurrent=leaf.recurrent.grad if leaf.recurrent.grad is not None else torch.zeros_like(leaf.recurrent))
@@ -39,6 +65,11 @@ class GDNRecurrentState(LayerState):
 
     def __init__(self, m, tp: int, captured: int, device, batch: int = 1):
         self.dtype = m.torch_dtype
+        hk = m.linear_num_key_heads // tp
+        self.channels = (hk * m.linear_key_head_dim, hk * m.linear_key_head_dim,
+                         (m.linear_num_value_heads // tp) * m.linear_value_head_dim)   # conv window: q | k | v
+        self.layout = None                       # context parallel: capture states are head shards
+        self.deposit_scale = 1.0
         self.current: GDNState | None = None     # after the positions captured so far
         self.boundaries: list = []               # exact mode: the state entering chunk c (None for c = 0)
         self.leaves: GDNState | None = None      # exact mode: leaves over `current` during replay
@@ -55,6 +86,13 @@ class GDNRecurrentState(LayerState):
 
     def capture_write(self, new: GDNState) -> None:
         self.current = GDNState(conv=own_storage(new.conv), recurrent=own_storage(new.recurrent))
+
+    def finish_capture(self, layout) -> None:
+        """Context parallel: the capture ran on this rank's 1/n of the heads; every rank gets the whole
+        final state (replay runs all heads on every rank). The chunk boundaries stay head shards."""
+        self.layout = layout
+        if layout is not None and self.current is not None:
+            self.current = _gather_heads(self.current, layout, self.channels)
 
     # --- replay ------------------------------------------------------------------------------------
     def replay_read(self, batch: int) -> GDNState | None:
@@ -73,9 +111,12 @@ class GDNRecurrentState(LayerState):
     def release_grad(self) -> None:
         self.leaves = self.entry = self.produced = self.carried = None
 
-    def recompute_read(self, chunk: int) -> GDNState | None:
+    def recompute_read(self, chunk: int, deposit_scale: float = 1.0) -> GDNState | None:
+        self.deposit_scale = deposit_scale
         if self.carried is None and self.leaves is not None:  # the last chunk: seeded by the replay's gradients
             self.carried = _grads_or_zeros(self.leaves)
+            if self.layout is not None:
+                self.carried = _own_heads(self.carried, self.layout, self.channels)
         entering = self.boundaries[chunk]
         self.entry = None if entering is None else _leaves(entering)
         return None if self.entry is None else GDNState(conv=self.entry.conv.to(self.dtype),
@@ -89,7 +130,11 @@ class GDNRecurrentState(LayerState):
         return [self.produced.conv, self.produced.recurrent], [self.carried.conv, self.carried.recurrent]
 
     def finish_chunk(self, chunk: int) -> None:
-        self.carried = None if self.entry is None else _grads_or_zeros(self.entry)
+        # what the recompute deposited was scaled with its seeds (context parallel: see contexts.py)
+        carried = None if self.entry is None else _grads_or_zeros(self.entry)
+        if carried is not None and self.deposit_scale != 1.0:
+            carried = GDNState(conv=carried.conv * self.deposit_scale, recurrent=carried.recurrent * self.deposit_scale)
+        self.carried = carried
         self.entry = self.produced = None
 
     # --- memory ------------------------------------------------------------------------------------
@@ -115,9 +160,12 @@ class GDNRecurrentState(LayerState):
                 + (m.linear_num_value_heads // tp) * m.linear_key_head_dim * m.linear_value_head_dim * selt)
 
     @classmethod
-    def analytic_bytes(cls, m, tp: int, captured: int, exact_chunks: int, batch: int = 1) -> dict[str, int]:
+    def analytic_bytes(cls, m, tp: int, captured: int, exact_chunks: int, batch: int = 1, cp: int = 1) -> dict[str, int]:
+        """The final state is whole on every rank; under context parallelism the chunk boundaries are
+        head shards (1/cp each)."""
         per = cls._per_layer(m, tp) * batch
-        return {"gdn_state": per if captured > 0 else 0, "gdn_chunk_boundaries": per * max(exact_chunks - 1, 0)}
+        return {"gdn_state": per if captured > 0 else 0,
+                "gdn_chunk_boundaries": per // cp * max(exact_chunks - 1, 0)}
 
     @classmethod
     def analytic_grad_bytes(cls, m, tp: int, captured: int) -> int:

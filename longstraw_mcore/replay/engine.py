@@ -13,7 +13,9 @@
 detached = sum_b dL_b/dtheta with the state held constant (LongStraw's truncated gradient);
 exact    = dL/dtheta including (sum_b dL_b/dS) dS/dtheta, i.e. full-sequence GRPO.
 The engine reaches the model only through `models/replay_interface.py` and the state only through
-its kinds (prompt_state/); runs at pipeline size 1 (TP any). The objective is per-branch terms.
+its kinds (prompt_state/); runs at pipeline size 1, any TP and CP (under context parallelism a
+rank captures and recomputes its zig-zag share of every chunk and replays every branch whole:
+prompt_state/contexts.py). The objective is per-branch terms.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from longstraw_mcore.config import ReplayConfig
 from longstraw_mcore.families import get_family
+from longstraw_mcore.parallel.cp import CPLayout, local_count, local_positions
 from longstraw_mcore.prompt_state.containers import PromptState, allocate
 from longstraw_mcore.prompt_state.contexts import CaptureContext, RecomputeContext, ReplayContext
 from longstraw_mcore.replay.plan import Step, chunk_spans, plan_group, replay_steps
@@ -79,7 +82,7 @@ class _Group:
     cfg: ReplayConfig
 
 
-def _replay(core, state: PromptState, step: Step, g: _Group, device) -> dict[int, BranchResult]:
+def _replay(core, state: PromptState, step: Step, g: _Group, device, layout) -> dict[int, BranchResult]:
     grad = g.loss_fn is not None
     bs = step.branches
     R = max(len(g.responses[b]) for b in bs)
@@ -92,7 +95,7 @@ def _replay(core, state: PromptState, step: Step, g: _Group, device) -> dict[int
     out = {}
     with torch.set_grad_enabled(grad):
         store = grad and stores_attention_probs(core, state.length, g.cfg, len(bs), R)
-        hidden = core.forward_hidden(ids, ReplayContext(state, batch=len(bs), store_probs=store))
+        hidden = core.forward_hidden(ids, ReplayContext(state, batch=len(bs), store_probs=store, layout=layout))
         logp = core.token_logprobs(hidden, tgt, g.cfg.logprob_chunk)
         total = None
         for i, b in enumerate(bs):
@@ -107,11 +110,21 @@ def _replay(core, state: PromptState, step: Step, g: _Group, device) -> dict[int
     return out
 
 
-def _prompt_backward(core, state: PromptState, step: Step, g: _Group) -> None:
-    s0, s1 = step.span
+def _chunk_ids(g: _Group, span: tuple[int, int], layout: CPLayout | None) -> torch.Tensor:
+    """The prompt tokens of a chunk this rank runs: all of them, or under CP its zig-zag pieces."""
+    s0, s1 = span
+    if layout is None:
+        return g.prefix[:, s0:s1]
+    idx = torch.tensor(local_positions(s1 - s0, layout.size, layout.rank), dtype=torch.long) + s0
+    return g.prefix[:, idx.to(g.prefix.device)]
+
+
+def _prompt_backward(core, state: PromptState, step: Step, g: _Group, layout: CPLayout | None) -> None:
     with torch.enable_grad():
-        core.forward_state(g.prefix[:, s0:s1], RecomputeContext(state, step.index))
+        core.forward_state(_chunk_ids(g, step.span, layout), RecomputeContext(state, step.index, layout))
     outs, grads = state.seeds(step.index)
+    if layout is not None:  # each rank recomputes 1/n of the chunk's tokens: see prompt_state/contexts.py
+        grads = [x * layout.size for x in grads]
     torch.autograd.backward(outs, grads)
     state.finish_chunk(step.index)
 
@@ -122,26 +135,36 @@ def execute(model, plan: list[Step], g: _Group, state: PromptState | None = None
     the first replay step."""
     core = _core(model)
     device = next(core.parameters()).device
+    layout = CPLayout.of(core.cp_group)
+    cp, rank = (layout.size, layout.rank) if layout is not None else (1, 0)
     seconds: dict[str, float] = {}
     results: dict[int, BranchResult] = {}
     if state is None:
-        state = allocate(core.model_cfg, core.state_layers(), core.tp_size, g.prefix.shape[1], device)
+        if layout is not None and 0 < g.prefix.shape[1] < cp:
+            raise ValueError(f"a prompt of {g.prefix.shape[1] + 1} tokens is too short for {cp} context-parallel "
+                             f"ranks (each needs at least one of the prompt[:-1] positions)")
+        local = sum(local_count(e - s, cp, rank) for s, e in (st.span for st in plan if st.phase == "capture"))
+        state = allocate(core.model_cfg, core.state_layers(), core.tp_size, local, device)
     keep = g.cfg.mode == "exact"  # GDN kinds record the state entering each chunk for its recompute
-    for step in plan:
+    for i, step in enumerate(plan):
         t0 = time.perf_counter()
         if step.phase == "capture":
             s0, s1 = step.span
-            with torch.no_grad():
-                core.forward_hidden(g.prefix[:, s0:s1], CaptureContext(state, step.index, step.span, keep))
+            ls0 = state.local_bounds[-1][1] if state.local_bounds else 0
             state.chunk_bounds.append(step.span)
+            state.local_bounds.append((ls0, ls0 + local_count(s1 - s0, cp, rank)))
+            with torch.no_grad():
+                core.forward_hidden(_chunk_ids(g, step.span, layout), CaptureContext(state, step.index, keep, layout))
             state.length = s1
+            if i + 1 == len(plan) or plan[i + 1].phase != "capture":
+                state.finish_capture(layout)
         elif step.phase == "replay":
             if state_grad:
                 state.enable_grad()
                 state_grad = False
-            results.update(_replay(core, state, step, g, device))
+            results.update(_replay(core, state, step, g, device, layout))
         elif step.phase == "prompt_backward":
-            _prompt_backward(core, state, step, g)
+            _prompt_backward(core, state, step, g, layout)
             if step.index == 0:
                 state.release_grad()  # the state gradient is spent
         else:

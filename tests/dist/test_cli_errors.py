@@ -86,6 +86,13 @@ def _cases(tmp):
          f"{bad}/step_000003/shard.distcp: 5 bytes, the manifest records 10"),
         ("resume without save", train + ["--rollouts", ok, "--resume"], "--resume needs --save DIR"),
         ("pipeline for replay", train + ["--rollouts", ok, "parallel.pp=2"], "parallel.pp=2: `longstraw train` runs"),
+        ("prompt shorter than the CP size", train + ["--rollouts", ok, "parallel.cp=4", "model.linear_num_key_heads=4",
+                                                      "model.linear_num_value_heads=8"],
+         "group 0: prompt of 3 tokens is too short for parallel.cp=4"),
+        ("CP that GDN heads do not split", train + ["--rollouts", ok, "parallel.cp=4"],
+         "model.linear_num_key_heads=2 is not divisible by parallel.tp*parallel.cp=1*4"),
+        ("CP the world size does not fit", ["check", "--config", TINY, "--world-size", "3", "parallel.cp=2"],
+         "world size 3 is not divisible by tp*pp*cp = 1*1*2 = 2"),
     ]
 
 

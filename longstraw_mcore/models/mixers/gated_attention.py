@@ -27,6 +27,10 @@ from longstraw_mcore.models.norms import ZeroCenteredRMSNorm
 from longstraw_mcore.ops.attention import KeySet, apply_partial_rope, attention, rope_cos_sin
 
 
+def _plain_attend(q, keys, q_start, block):
+    return attention(q, keys, q_start, block=block)
+
+
 @dataclass
 class GatedAttentionSubmodules:
     linear_qkv: type = ColumnParallelLinear
@@ -60,14 +64,14 @@ class GatedAttentionMixer(MegatronModule):
                                                   init_method=config.output_layer_init_method, bias=False,
                                                   input_is_parallel=True, skip_bias_add=True, tp_group=self.tp_group)
 
-    def _own_kv(self, x: torch.Tensor, offset: int):
-        """K (after k-norm and RoPE) and V of this call's positions, and the RoPE angles. x [B, S, Hd]."""
+    def _own_kv(self, x: torch.Tensor, pos: torch.Tensor):
+        """K (after k-norm and RoPE) and V of this call's tokens at positions `pos`, and the RoPE angles.
+        x [B, S, Hd]."""
         B, S, _ = x.shape
         k, _ = self.linear_k(x)
         v, _ = self.linear_v(x)
         k = self.k_norm(k.reshape(B, S, self.hk, self.d))
         v = v.reshape(B, S, self.hk, self.d)
-        pos = torch.arange(offset, offset + S, device=x.device)
         cos, sin = rope_cos_sin(pos, self.rotary_dim, self.rope_theta, x.dtype)
         return apply_partial_rope(k, cos, sin), v, cos, sin
 
@@ -77,7 +81,8 @@ class GatedAttentionMixer(MegatronModule):
         offset = ctx.position_offset if ctx is not None else 0
         S, B, _ = hidden_states.shape
         x = hidden_states.transpose(0, 1)                                       # [B, S, Hd]
-        k, v, cos, sin = self._own_kv(x, offset)
+        pos = ctx.positions(S, x.device) if ctx is not None else torch.arange(S, device=x.device)
+        k, v, cos, sin = self._own_kv(x, pos)
         # The context turns this call's K/V into the key sets to attend to (and keeps what it must):
         # the cached positions read in place and these positions, one softmax over their union.
         keys = ctx.key_sets(self.layer_number, k, v) if ctx is not None else [KeySet(k, v, offset)]
@@ -85,7 +90,7 @@ class GatedAttentionMixer(MegatronModule):
         qg = qg.reshape(B, S, self.hq, 2 * self.d)
         q, gate = qg[..., :self.d], qg[..., self.d:]
         q = apply_partial_rope(self.q_norm(q), cos, sin)
-        o, _ = attention(q, keys, q_start=offset, block=self.block)
+        o, _ = (ctx.attend if ctx is not None else _plain_attend)(q, keys, offset, self.block)
         o = o.reshape(B, S, self.hq * self.d) * torch.sigmoid(gate.reshape(B, S, self.hq * self.d))
         out, _ = self.linear_proj(o.transpose(0, 1).contiguous())
         return out, None
@@ -93,7 +98,8 @@ class GatedAttentionMixer(MegatronModule):
     def produce_state(self, hidden_states, inference_context) -> None:
         """Only what the prompt state needs from this layer (its K/V), handed to the context: exact
         mode's recompute of the model's last layer, whose output feeds nothing."""
-        k, v, _, _ = self._own_kv(hidden_states.transpose(0, 1), inference_context.position_offset)
+        x = hidden_states.transpose(0, 1)
+        k, v, _, _ = self._own_kv(x, inference_context.positions(x.shape[1], x.device))
         inference_context.key_sets(self.layer_number, k, v)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):

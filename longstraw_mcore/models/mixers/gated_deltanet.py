@@ -90,35 +90,46 @@ class GatedDeltaNetMixer(MegatronModule):
     def conv_channels(self) -> int:
         return 2 * self.hk * self.dk + self.hv * self.dv
 
+    def _core(self, q, k, v, b, a, heads: tuple[int, int], state: GDNState | None):
+        """Conv + gated delta rule of q/k heads [h0, h1) (of this TP rank's) and the value heads they
+        serve, from `state` to the returned one. q, k [B, T, h, Dk] and v [B, T, h*r, Dv] pre-conv,
+        b, a [B, T, h*r]. State conv window [B, Ch_h, W-1] with channels [q | k | v] of those heads.
+        Returns (o [B, T, h*r, Dv] in the state dtype, new state)."""
+        h0, h1 = heads
+        r = self.hv // self.hk
+        B, T = q.shape[:2]
+        nq, nv = (h1 - h0) * self.dk, (h1 - h0) * r * self.dv
+        mixed = torch.cat([q.reshape(B, T, nq), k.reshape(B, T, nq), v.reshape(B, T, nv)], dim=-1)
+        conv_w = torch.cat([self.conv_q[h0 * self.dk:h1 * self.dk], self.conv_k[h0 * self.dk:h1 * self.dk],
+                            self.conv_v[h0 * r * self.dv:h1 * r * self.dv]], dim=0)          # [Ch_h, W]
+        mixed, conv_state = causal_conv1d(mixed, conv_w, state.conv if state is not None else None)
+        mixed = F.silu(mixed)
+        q, k, v = torch.split(mixed, [nq, nq, nv], dim=-1)
+        q = q.reshape(B, T, h1 - h0, self.dk)
+        k = k.reshape(B, T, h1 - h0, self.dk)
+        v = v.reshape(B, T, (h1 - h0) * r, self.dv)
+        sd = self.state_dtype
+        A_log, dt_bias = self.A_log[h0 * r:h1 * r], self.dt_bias[h0 * r:h1 * r]
+        beta = torch.sigmoid(b.to(sd))                                            # [B, T, h*r]
+        g = -A_log.to(sd).exp() * F.softplus(a.to(sd) + dt_bias.to(sd))
+        o, rec = chunk_gated_delta_rule(q, k, v, g, beta, state.recurrent if state is not None else None,
+                                        chunk_size=self.chunk_size, state_dtype=sd)
+        return o, GDNState(conv=conv_state, recurrent=rec)
+
     def _mix(self, hidden_states, ctx):
-        """Conv + gated delta rule from the state entering the call; hands the state after it to the
-        context. Returns o [B, S, Hv, Dv] (state dtype)."""
-        cached: GDNState | None = ctx.read(self.layer_number) if ctx is not None else None
+        """Token-local projections, then the sequence core through the context (which handles the
+        state, and under context parallelism the head/sequence exchange). Returns o [B, S, Hv, Dv]."""
         S, B, _ = hidden_states.shape
         q, _ = self.in_proj_q(hidden_states)
         k, _ = self.in_proj_k(hidden_states)
         v, _ = self.in_proj_v(hidden_states)
         b, _ = self.in_proj_b(hidden_states)
         a, _ = self.in_proj_a(hidden_states)
-
-        mixed = torch.cat([q, k, v], dim=-1).transpose(0, 1)                   # [B, S, Ch]
-        conv_w = torch.cat([self.conv_q, self.conv_k, self.conv_v], dim=0)     # [Ch, W]
-        mixed, conv_state = causal_conv1d(mixed, conv_w, cached.conv if cached is not None else None)
-        mixed = F.silu(mixed)
-        nq = self.hk * self.dk
-        q, k, v = torch.split(mixed, [nq, nq, self.hv * self.dv], dim=-1)
-        q = q.reshape(B, S, self.hk, self.dk)
-        k = k.reshape(B, S, self.hk, self.dk)
-        v = v.reshape(B, S, self.hv, self.dv)
-
-        sd = self.state_dtype
-        beta = torch.sigmoid(b.transpose(0, 1).to(sd))                          # [B, S, Hv]
-        g = -self.A_log.to(sd).exp() * F.softplus(a.transpose(0, 1).to(sd) + self.dt_bias.to(sd))
-        o, rec = chunk_gated_delta_rule(q, k, v, g, beta, cached.recurrent if cached is not None else None,
-                                        chunk_size=self.chunk_size, state_dtype=sd)
-        if ctx is not None:
-            ctx.write(self.layer_number, GDNState(conv=conv_state, recurrent=rec))
-        return o
+        inputs = (q.transpose(0, 1).reshape(B, S, self.hk, self.dk), k.transpose(0, 1).reshape(B, S, self.hk, self.dk),
+                  v.transpose(0, 1).reshape(B, S, self.hv, self.dv), b.transpose(0, 1), a.transpose(0, 1))
+        if ctx is None:
+            return self._core(*inputs, heads=(0, self.hk), state=None)[0]
+        return ctx.recurrent(self.layer_number, self._core, inputs, self.hk)
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, **kwargs):
         """hidden_states [S, B, Hd] -> (out [S, B, Hd], None). Reads/writes `GDNState` via the context."""

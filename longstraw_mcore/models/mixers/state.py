@@ -1,12 +1,16 @@
 """Per-layer cached state that mixers read (earlier positions) and, on request, write.
 
 The model is run with a context passed through Megatron's `inference_context` slot; it is the only
-way branch-replay concerns reach layer code, through one hook per mixer type, with
-`ctx.position_offset` the absolute position of the call's first token:
+way branch-replay concerns reach layer code, through one hook per mixer type (`StateHooks` below
+holds the single-rank defaults; context parallelism overrides them in prompt_state/contexts.py):
+- every mixer: `ctx.positions(S, device)`, the absolute positions of the call's S tokens (RoPE);
 - attention: `ctx.key_sets(layer_number, k, v)` with the K/V of the call's own positions returns the
-  key sets (`ops.attention.KeySet`) its queries attend to: earlier positions and its own;
-- Gated DeltaNet: `ctx.read(layer_number)` returns the state entering the call (None = start of
-  sequence), `ctx.write(layer_number, state)` takes its whole state after the call.
+  key sets (`ops.attention.KeySet`) its queries attend to (earlier positions and its own), and
+  `ctx.attend(q, key_sets, q_start, block)` computes the attention over them;
+- Gated DeltaNet: `ctx.recurrent(layer_number, core, inputs, n_k_heads)` runs the mixer's sequence
+  core (conv + delta rule over a head range, from an entering state to a leaving one) on the call's
+  tokens; by default through `ctx.read(layer_number)` (the state entering the call, None = start of
+  sequence) and `ctx.write(layer_number, state)` (its whole state after the call).
 What a context does with them (keep, copy into a preallocated buffer, record with its graph) is the
 context's business: `StateContext` here keeps a plain dict (tests, simple use); prompt_state/ holds
 the capture / replay / recompute contexts. Layer numbers are Megatron's global 1-based ones.
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longstraw_mcore.ops.attention import KeySet
+from longstraw_mcore.ops.attention import KeySet, attention
 
 
 @dataclass
@@ -54,7 +58,31 @@ class GDNState:
         return self.conv.numel() * self.conv.element_size() + self.recurrent.numel() * self.recurrent.element_size()
 
 
-class StateContext:
+class StateHooks:
+    """The single-rank hooks every context shares (see the module docstring)."""
+
+    position_offset: int = 0
+
+    def positions(self, S: int, device) -> torch.Tensor:
+        return torch.arange(self.position_offset, self.position_offset + S, device=device)
+
+    def attend(self, q: torch.Tensor, keys: list[KeySet], q_start: int, block: int):
+        return attention(q, keys, q_start, block=block)
+
+    def recurrent(self, layer_number: int, core, inputs: tuple, n_k_heads: int):
+        out, new = core(*inputs, heads=(0, n_k_heads), state=self.read(layer_number))
+        self.write(layer_number, new)
+        return out
+
+    # Megatron's TransformerLayer/Block only query these under CUDA-graph inference; answer plainly.
+    def is_static_batching(self) -> bool:
+        return True
+
+    def is_decode_only(self) -> bool:
+        return False
+
+
+class StateContext(StateHooks):
     """Carries cached state into the mixers and, with `collect`, collects their new state."""
 
     def __init__(self, position_offset: int = 0, states: dict | None = None, collect: bool = False):
@@ -86,10 +114,3 @@ class StateContext:
         if isinstance(state, AttentionState) and old is not None:
             state = AttentionState(k=torch.cat([old.k, state.k], 1), v=torch.cat([old.v, state.v], 1))
         self.new_states[layer_number] = state
-
-    # Megatron's TransformerLayer/Block only query these under CUDA-graph inference; answer plainly.
-    def is_static_batching(self) -> bool:
-        return True
-
-    def is_decode_only(self) -> bool:
-        return False

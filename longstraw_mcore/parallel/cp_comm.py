@@ -1,0 +1,89 @@
+"""The collectives of context parallelism, plain torch.distributed (gloo on CPU, NCCL on CUDA).
+
+Tensors are [B, S, H, ...] (batch, tokens, heads). A rank holds its zig-zag pieces of a chunk of T
+tokens (parallel/cp.py); ranks' piece counts differ by at most one per piece, so gathers pad to the
+largest and trim.
+
+    gather_tokens(x_local)            -> x [B, T, ...] in sequence order, on every rank
+    local_rows(x)                     -> this rank's rows of a full-chunk tensor
+    SeqToHeads(x_local)   (autograd)  -> the whole chunk, this rank's 1/n of the heads
+    HeadsToSeq(x_heads)   (autograd)  -> this rank's tokens, all heads
+SeqToHeads and HeadsToSeq are each other's backward: a gradient with respect to a head shard of the
+whole chunk goes back to the tokens' owners for every head, and vice versa. Both use all-gathers
+(the padded token gather, and an all-gather over the head dimension); an all-to-all would move 1/n
+of those bytes and is the obvious optimisation for a GPU build (the interface does not change).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from longstraw_mcore.parallel.cp import CPLayout, gather_order, local_count, local_positions
+
+
+def _index(T: int, layout: CPLayout, device) -> torch.Tensor:
+    return torch.tensor(local_positions(T, layout.size, layout.rank), dtype=torch.long, device=device)
+
+
+def local_rows(x: torch.Tensor, layout: CPLayout, T: int) -> torch.Tensor:
+    """[B, T, ...] -> this rank's [B, S_r, ...] (its zig-zag pieces, in order)."""
+    return x.index_select(1, _index(T, layout, x.device))
+
+
+def gather_tokens(x: torch.Tensor, layout: CPLayout, T: int) -> torch.Tensor:
+    """Every rank's [B, S_r, ...] -> [B, T, ...] in sequence order (no autograd)."""
+    sizes = [local_count(T, layout.size, r) for r in range(layout.size)]
+    m = max(sizes)
+    padded = x.new_zeros((x.shape[0], m) + tuple(x.shape[2:]))
+    padded[:, :x.shape[1]] = x
+    parts = [torch.empty_like(padded) for _ in range(layout.size)]
+    dist.all_gather(parts, padded.contiguous(), group=layout.group)
+    ranked = torch.cat([p[:, :n] for p, n in zip(parts, sizes)], 1)        # rank order
+    out = torch.empty_like(ranked)
+    out[:, gather_order(T, layout.size).to(x.device)] = ranked
+    return out
+
+
+def all_reduce_sum(x: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=layout.group)
+    return x
+
+
+def _gather_heads(x: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(layout.size)]
+    dist.all_gather(parts, x.contiguous(), group=layout.group)
+    return torch.cat(parts, 2)
+
+
+def _own_heads(x: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+    h = x.shape[2] // layout.size
+    return x[:, :, layout.rank * h:(layout.rank + 1) * h]
+
+
+class SeqToHeads(torch.autograd.Function):
+    """[B, S_r, H, ...] local tokens -> [B, T, H/n, ...]: the whole chunk, this rank's heads."""
+
+    @staticmethod
+    def forward(ctx, x, layout: CPLayout, T: int):
+        assert x.shape[2] % layout.size == 0, (x.shape, layout.size)
+        ctx.layout, ctx.T = layout, T
+        return _own_heads(gather_tokens(x, layout, T), layout).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return local_rows(_gather_heads(g, ctx.layout), ctx.layout, ctx.T), None, None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    """[B, T, H/n, ...] the whole chunk, this rank's heads -> [B, S_r, H, ...] local tokens, all heads."""
+
+    @staticmethod
+    def forward(ctx, x, layout: CPLayout, T: int):
+        ctx.layout, ctx.T = layout, T
+        return local_rows(_gather_heads(x, layout), layout, T)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _own_heads(gather_tokens(g, ctx.layout, ctx.T), ctx.layout).contiguous(), None, None
