@@ -221,8 +221,14 @@ class TrainConfig:
     """Megatron's distributed optimizer (Adam state sharded over data parallel)."""
     save_every: int = 0
     """Checkpoint every K steps (0: only at the end when --save is given)."""
+    grad_reduction: Literal["step", "micro_step"] = "step"
+    """`step`: Megatron DDP (a full-size gradient buffer per rank, reduced once per step) and Megatron's
+    optimizer. `micro_step`: every micro-step's gradients reduce-scattered over data x context
+    parallel ranks as autograd produces them and kept as float32 shards (ZeRO-2; train/zero2.py),
+    AdamW on the shards: no rank holds a full-size gradient between micro-steps."""
 
     def __post_init__(self):
+        _check_choice("train.grad_reduction", self.grad_reduction, ("step", "micro_step"))
         if self.lr <= 0 or self.groups_per_step < 1 or self.save_every < 0 or self.clip_grad < 0:
             raise ConfigError(f"train.lr={self.lr}, train.groups_per_step={self.groups_per_step}, "
                               f"train.save_every={self.save_every}, train.clip_grad={self.clip_grad}: need lr > 0, "

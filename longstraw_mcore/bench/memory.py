@@ -1,10 +1,11 @@
 """Peak memory of a piece of work, measured, not modelled.
 
 CUDA: the caching allocator's peak (`torch.cuda.max_memory_allocated`) above what was allocated
-before. CPU: PyTorch's profiler with memory events (`profile_memory=True`): its memory timeline
-replays every allocation and free made during the work, and the peak of the live total is taken.
-Both count only tensors allocated during the work (parameters, and anything created before, are
-the baseline), so the figure is "extra bytes this work needed at its worst moment".
+before. CPU: PyTorch's profiler with memory events (`profile_memory=True`): every allocation event
+carries the CPU allocator's running total of the bytes allocated since profiling began, so its peak
+and its final value are the work's peak and what it kept. Both count only tensors allocated during
+the work (parameters, and anything created before, are the baseline): "extra bytes this work needed
+at its worst moment", and "bytes it left allocated".
 """
 
 from __future__ import annotations
@@ -31,19 +32,29 @@ def measure_memory(fn: Callable[[], object], device: torch.device) -> tuple[obje
         torch.cuda.synchronize(device)
         return (out, int(torch.cuda.max_memory_allocated(device) - base),
                 int(torch.cuda.memory_allocated(device) - base), "cuda allocator")
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import MemoryProfileTimeline
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
-    from torch.profiler._memory_profiler import Action
+    # Every CPU allocation and free while profiling, with the allocator's running total of tracked
+    # allocations (tensors that existed before profiling are neither counted nor subtracted).
+    totals = []
 
-    timeline = MemoryProfileTimeline(prof._memory_profile())
-    _, sizes = timeline._coalesce_timeline(torch.device("cpu"))
-    # tensors that existed before (parameters, the state, ...) enter the timeline as PREEXISTING
-    # once the work touches them: they are the baseline, not the work's memory
-    base = sum(n for _, action, (key, _), n in timeline.timeline
-               if action == Action.PREEXISTING and key.device == torch.device("cpu"))
-    peak = max((sum(s) for s in sizes), default=base) - base
-    retained = (sum(sizes[-1]) if sizes else base) - base
-    return out, int(peak), int(retained), "cpu profiler memory timeline"
+    def walk(events):
+        for e in events:
+            if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+                totals.append((e.start_time_ns, e.extra_fields.total_allocated, e.extra_fields.alloc_size))
+            walk(e.children)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree())
+    if not totals:
+        return out, 0, 0, "cpu allocator totals (profiler allocation events)"
+    totals.sort()
+    # the running total is process-wide (tensors allocated under an earlier profile and still alive
+    # are in it): the work's figures are relative to its value before the first event
+    first = min(totals)
+    base = first[1] - first[2]
+    peak = max(t for _, t, _ in totals) - base
+    retained = totals[-1][1] - base
+    return out, int(peak), int(retained), "cpu allocator totals (profiler allocation events)"

@@ -23,9 +23,10 @@ def check_run(cfg: RunConfig, cmd: str, world_size: int | None) -> int | None:
     if cmd in REPLAY_COMMANDS and p.pp != 1:
         raise ConfigError(f"parallel.pp={p.pp}: `longstraw {cmd}` runs branch replay at pipeline size 1 for now; "
                           "use tensor/data parallelism (parallel.pp=1)")
-    if cmd == "train" and m.dtype == "float64":
-        raise ConfigError("model.dtype=float64: `longstraw train` needs float32 or bfloat16 (Megatron's optimizer and "
-                          "gradient clipping have no float64 path); float64 is for `longstraw validate`")
+    if cmd == "train" and m.dtype == "float64" and cfg.train.grad_reduction == "step":
+        raise ConfigError("model.dtype=float64: `longstraw train` with train.grad_reduction=step needs float32 or bfloat16 "
+                          "(Megatron's optimizer and gradient clipping have no float64 path); use "
+                          "train.grad_reduction=micro_step, or float64 in `longstraw validate`")
     if p.pp > 1 and m.num_layers % p.pp:
         raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.pp={p.pp}")
     return None if world_size is None else p.dp_for(world_size)

@@ -27,11 +27,10 @@ def run(args) -> int:
     from longstraw_mcore.parallel.groups import setup_parallel
 
     par = setup_parallel(cfg)
-    from longstraw_mcore.train.trainer import Trainer, build_optimizer, wrap_ddp
+    from longstraw_mcore.train.trainer import Trainer, build_training
 
     model = build_and_load(cfg, par, args.hf, args.load, "train")
-    ddp = wrap_ddp(model, cfg, par)
-    opt = build_optimizer(ddp, cfg, par)
+    ddp, opt = build_training(model, cfg, par)
     trainer = Trainer(cfg, par, ddp, opt, groups, ref_model=reference_model(args, cfg, par), log=rank0_print)
     if args.resume and trainer.resume(args.save):
         rank0_print(f"[train] resumed from {args.save} at step {trainer.step}")

@@ -110,6 +110,13 @@ def _replay(core, state: PromptState, step: Step, g: _Group, device, layout) -> 
     return out
 
 
+def _micro_step_done(model) -> None:
+    """Gradients reduced per micro-step (train/zero2.py) hook in here, after every backward."""
+    done = getattr(model, "micro_step_done", None)
+    if done is not None:
+        done()
+
+
 def _chunk_ids(g: _Group, span: tuple[int, int], layout: CPLayout | None) -> torch.Tensor:
     """The prompt tokens of a chunk this rank runs: all of them, or under CP its zig-zag pieces."""
     s0, s1 = span
@@ -163,8 +170,11 @@ def execute(model, plan: list[Step], g: _Group, state: PromptState | None = None
                 state.enable_grad()
                 state_grad = False
             results.update(_replay(core, state, step, g, device, layout))
+            if g.loss_fn is not None:
+                _micro_step_done(model)
         elif step.phase == "prompt_backward":
             _prompt_backward(core, state, step, g, layout)
+            _micro_step_done(model)
             if step.index == 0:
                 state.release_grad()  # the state gradient is spent
         else:

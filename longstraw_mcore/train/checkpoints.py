@@ -41,7 +41,7 @@ from longstraw_mcore.train.checkpoint_dirs import (MANIFEST, POINTS, clean_unpub
                                                    verify, write_manifest)
 
 def save_step(root: str | Path, step: int, model, torch_optimizers: list, model_cfg, layout: dict, history: list,
-              extra: dict, fault: Callable[[str], None] | None = None) -> Path:
+              extra: dict, fault: Callable[[str], None] | None = None, rank_extra: dict | None = None) -> Path:
     """Write and publish step `step` from every rank (collective)."""
     fault = fault or (lambda point: None)
     root = Path(root).resolve()
@@ -55,8 +55,8 @@ def save_step(root: str | Path, step: int, model, torch_optimizers: list, model_
     write_model_shards(model, tmp)
     fault("model")
     opt_file = tmp / f"optimizer_rank{rank:05d}.pt"
-    torch.save({"torch_optimizers": [o.state_dict() for o in torch_optimizers], "layout": layout, "rank": rank},
-               opt_file)
+    torch.save({"torch_optimizers": [o.state_dict() for o in torch_optimizers], "layout": layout, "rank": rank,
+                "extra": rank_extra}, opt_file)
     dist.barrier()
     fault("optimizer")
     if rank == 0:
@@ -82,19 +82,22 @@ def save_step(root: str | Path, step: int, model, torch_optimizers: list, model_
     return dst
 
 
-def _load_optimizers(path: Path, torch_optimizers: list) -> str | None:
+def _load_optimizers(path: Path, torch_optimizers: list, load_extra) -> str | None:
     f = path / f"optimizer_rank{dist.get_rank():05d}.pt"
     try:
         blob = torch.load(f, weights_only=False, map_location="cpu")
         with torch.no_grad():
             for o, sd in zip(torch_optimizers, blob["torch_optimizers"], strict=True):
                 o.load_state_dict(sd)
+            if load_extra is not None:
+                load_extra(blob["extra"])
     except Exception as e:  # noqa: BLE001 - turned into one CheckpointError on every rank
         return f"{f}: {type(e).__name__}: {e}"
     return None
 
 
-def load_step(path: Path, model, torch_optimizers: list, reload_main_params: Callable[[], None]) -> tuple[int, list]:
+def load_step(path: Path, model, torch_optimizers: list, reload_main_params: Callable[[], None],
+              load_extra: Callable[[dict], None] | None = None) -> tuple[int, list]:
     """Load model and optimizer states of a verified step directory (collective); (step, metrics)."""
     from longstraw_mcore.checkpoint.dist_ckpt import read_checkpoint_meta
 
@@ -107,7 +110,7 @@ def load_step(path: Path, model, torch_optimizers: list, reload_main_params: Cal
         raise CheckpointError(f"{path}: the model shards do not load: {type(e).__name__}: {e}") from None
     reload_main_params()  # main (fp32 / sharded) params from the loaded model params
     errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, _load_optimizers(path, torch_optimizers))
+    dist.all_gather_object(errors, _load_optimizers(path, torch_optimizers, load_extra))
     bad = [e for e in errors if e is not None]
     if bad:
         raise CheckpointError(bad[0])

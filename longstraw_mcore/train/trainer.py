@@ -42,6 +42,30 @@ def peak_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def build_training(model, cfg: RunConfig, par):
+    """(gradient holder, optimizer) for `train.grad_reduction`: Megatron DDP + Megatron's optimizer
+    (`step`), or per-micro-step reduce-scattered shards + AdamW on them (`micro_step`)."""
+    if cfg.train.grad_reduction == "micro_step":
+        from longstraw_mcore.train.zero2 import ShardedAdam, ShardedGradients
+
+        t = cfg.train
+        grads = ShardedGradients(model, par.pgs.dp_cp, par)
+        return grads, ShardedAdam(grads, t.lr, (t.adam_beta1, t.adam_beta2), t.adam_eps, t.weight_decay, t.clip_grad)
+    ddp = wrap_ddp(model, cfg, par)
+    return ddp, build_optimizer(ddp, cfg, par)
+
+
+def finalize_grads(holder, par) -> None:
+    """Megatron DDP reduces its buffers now; sharded gradients were reduced after every micro-step
+    (this rank joins the others' remaining reduction rounds)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    if hasattr(holder, "finish"):
+        holder.finish()
+    else:
+        finalize_model_grads([holder], pg_collection=par.pgs)
+
+
 def wrap_ddp(model, cfg: RunConfig, par):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -80,8 +104,6 @@ class Trainer:
 
     def run_step(self) -> dict:
         """One optimizer step over this rank's groups; returns the step's metrics (same on every rank)."""
-        from megatron.core.distributed import finalize_model_grads
-
         cfg, par = self.cfg, self.par
         self.step += 1
         t0 = time.perf_counter()
@@ -97,7 +119,7 @@ class Trainer:
             for j, x in enumerate((st.loss, st.reward_mean, st.tokens, st.clipped, st.kl_sum, float(st.skipped), 1.0,
                                    st.state_bytes + st.ref_state_bytes)):
                 acc[j] += x
-        finalize_model_grads([self.ddp], pg_collection=par.pgs)
+        finalize_grads(self.ddp, par)
         acc = all_reduce_sum(acc, par.pgs.dp, par.device)
         n = acc[6]
         if acc[5] == n:  # every group of the step had zero advantage: no gradient, no update
@@ -118,8 +140,10 @@ class Trainer:
     # --- checkpoints (train/checkpoints.py: atomic publication, verification, fallback) ------------
 
     def save(self, root: str | Path, fault=None) -> Path:
+        extra = self.opt.extra_state() if hasattr(self.opt, "extra_state") else None
         return save_step(root, self.step, self.ddp.module, _torch_optimizers(self.opt), self.cfg.model,
-                         self.par.layout(), self.history, {"run_config": asdict(self.cfg)}, fault=fault)
+                         self.par.layout(), self.history, {"run_config": asdict(self.cfg)}, fault=fault,
+                         rank_extra=extra)
 
     def resume(self, root: str | Path) -> bool:
         """Load the newest complete checkpoint under `root` (announcing any newer one skipped as
@@ -129,7 +153,8 @@ class Trainer:
             if meta.get("layout") != self.par.layout():
                 raise ConfigError(f"--resume: checkpoint {path} was written at layout {meta.get('layout')}, this "
                                   f"run is {self.par.layout()}; optimizer state resumes only at the same layout")
-            return load_step(path, self.ddp.module, _torch_optimizers(self.opt), self.opt.reload_model_params)
+            return load_step(path, self.ddp.module, _torch_optimizers(self.opt), self.opt.reload_model_params,
+                             getattr(self.opt, "load_extra_state", None))
 
         got = resume_newest(root, load, self.log)
         if got is None:

@@ -16,7 +16,9 @@ G=1 group (KL term only) and a G=8 group with unequal branch lengths (1 to 8), p
 is not divisible by 2 x CP, capture chunks of 7 (the last one short); layouts CP=2 (2 ranks) and
 CP=4, TP=2 x CP=2, DP=2 x CP=2 (4 ranks). Capture: each rank's K/V placed at their prompt positions
 equal the single-rank state (<= 1e-12), the GDN final state too, and per-rank K/V bytes sum to the
-single-rank bytes. Not covered: pipeline parallelism with CP (replay runs at pp=1), CUDA/NCCL.
+single-rank bytes (exactly half per rank at CP=2 when chunks are divisible by 2 x CP). Memory: the
+peak of an exact-mode group step at CP=2 grows from G=2 to G=8 by less than one branch's scratch
+(CPU allocator totals; gloo frees a few collective buffers asynchronously, hence the tolerance). Not covered: pipeline parallelism with CP (replay runs at pp=1), CUDA/NCCL.
 """
 
 from __future__ import annotations
@@ -115,7 +117,47 @@ def _compare(ref, got):
     return dict(loss=loss, logp=logp, grad=grad)
 
 
-def _worker(rank, world_size, layouts):
+def _memory(m, full):
+    """CP=2: per-rank K/V bytes with chunks divisible by 2 x CP, and the peak of a group step at G=2, 8."""
+    from longstraw_mcore.bench.memory import measure_memory
+    from longstraw_mcore.checkpoint.full_state import load_full
+    from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig
+    from longstraw_mcore.data.rollouts import RolloutGroup
+    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.parallel.groups import setup_parallel
+    from longstraw_mcore.loss.grpo import advantages, group_loss_fn
+    from longstraw_mcore.replay.engine import capture, make_leaves, replay_branches
+    from longstraw_mcore.replay.group_step import process_group
+
+    out = {}
+    gen = torch.Generator().manual_seed(9)
+    prompt = torch.randint(0, m.vocab_size, (257,), generator=gen).tolist()
+    for cp in (1, 2):
+        par = setup_parallel(RunConfig(model=m, parallel=ParallelConfig(cp=cp), device="cpu"))
+        model = build_model(m, par, "cpu")
+        load_full(model, full)
+        st = capture(model, torch.tensor([prompt[:-1]]), ReplayConfig(chunk_len=64))
+        out[f"kv_bytes_cp{cp}"] = st.nbytes_by_type()["attention_kv"]
+    rcfg = ReplayConfig(mode="exact", chunk_len=64)
+    peaks = {}
+    for G in (2, 8):
+        grp = RolloutGroup(prompt=prompt, responses=[torch.randint(0, m.vocab_size, (6,), generator=gen).tolist()
+                                                     for _ in range(G)], rewards=[float(i % 3) for i in range(G)])
+        process_group(model, grp, rcfg, GRPOConfig(), 1)  # warm: parameter gradients exist
+        # gloo frees some collective buffers asynchronously: the lower of two measurements
+        peaks[G] = min(measure_memory(lambda: process_group(model, grp, rcfg, GRPOConfig(), 1), par.device)[1]
+                       for _ in range(2))
+    # one branch's scratch: replaying one more branch against a captured state
+    fn = group_loss_fn(grp, GRPOConfig(), advantages(grp.rewards, GRPOConfig()))
+    state = make_leaves(capture(model, torch.tensor([prompt[:-1]]), rcfg))
+    replay_branches(model, state, prompt[-1], grp.responses, [0], fn, rcfg)
+    out["scratch"] = measure_memory(lambda: replay_branches(model, state, prompt[-1], grp.responses, [1], fn, rcfg),
+                                    par.device)[1]
+    out["peaks"] = peaks
+    return out
+
+
+def _worker(rank, world_size, layouts, memory=False):
     from hf_reference import build_hf_model, hf_state
 
     from longstraw_mcore.checkpoint.qwen3_5 import hf_to_mcore
@@ -147,6 +189,8 @@ def _worker(rank, world_size, layouts):
         if tp == 1:
             worst = max([worst] + [rel(gdn[n][i], ref_gdn[n][i]) for n in gdn for i in (0, 1)])
         out["capture"][name] = dict(kv=worst, bytes=nbytes, ref_bytes=ref_bytes // tp, cp=cp)
+    if memory:
+        out["memory"] = _memory(m, full)
     return out
 
 
@@ -168,8 +212,16 @@ def _check(outs):
         assert sum(by_rank) == ref * len(outs) // cp, (name, by_rank, ref)
 
 
-def test_cp2_equals_single_rank():
-    _check(run_ranks(_worker, 2, [("cp2", 1, 2)], timeout_s=900))
+def test_cp2_equals_single_rank_and_memory():
+    outs = run_ranks(_worker, 2, [("cp2", 1, 2)], True, timeout_s=900)
+    _check(outs)
+    for rank, out in enumerate(outs):
+        mem = out["memory"]
+        print(f"CP=2 rank {rank}: K/V bytes {mem['kv_bytes_cp2']} of {mem['kv_bytes_cp1']} at CP=1 (256 positions, "
+              f"chunks of 64); group-step peak G=2 {mem['peaks'][2]} B, G=8 {mem['peaks'][8]} B, one branch's "
+              f"scratch {mem['scratch']} B")
+        assert mem["kv_bytes_cp2"] * 2 == mem["kv_bytes_cp1"]  # chunks divisible by 2 x CP: exactly half
+        assert mem["peaks"][8] - mem["peaks"][2] <= mem["scratch"], mem  # as tests/replay/test_memory.py
 
 
 def test_cp4_tp2cp2_dp2cp2_equal_single_rank():

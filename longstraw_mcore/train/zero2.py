@@ -1,0 +1,160 @@
+"""Gradients reduced per micro-step and kept as shards (ZeRO-2 over data x context parallel ranks).
+
+Megatron DDP keeps a full-size gradient buffer on every rank for the whole step (measured:
+../shared/notes/mcore-ddp-cpu.md); a 27B model's is 108 GB in float32, which no rank can hold beside
+a million-token prompt state. Here the replay engine calls `micro_step_done()` after every backward
+(each branch or branch batch, each exact-mode chunk): every parameter's gradient is reduce-scattered
+over the DP x CP group, averaged, added into this rank's shard, and the full-size `.grad` is freed.
+Between micro-steps no rank holds a full gradient, only its 1/N shard (N = |DP x CP|); during one,
+autograd's `.grad` of that micro-step alone (in the model dtype).
+
+Lockstep: a reduce-scatter is collective, but DP ranks replay different prompt groups, so they run
+different numbers of micro-steps. Every reduction round therefore starts with a one-number all-reduce
+(max) of "I have a micro-step to reduce"; a rank whose work for the step is done joins rounds with
+zeros (`finish()`) until a round where nobody has work. Every rank then runs the same rounds.
+(Reducing each parameter as soon as autograd completes it, which would bound the transient to one
+parameter, needs every rank to run structurally identical backward graphs in the same order; ranks
+with different prompt groups do not.)
+
+Shards: parameter p (n elements) is flattened and cut into N equal pieces (padded); rank i owns piece
+i of every parameter, its master copy and gradient shard (float32; float64 for a float64 model) and
+Adam's moments (torch.optim.AdamW over the master shards, as Megatron's optimizer falls back to
+without Apex/TE). Step: global gradient norm from the shards (summed over DP x CP and the
+model-parallel groups, TP-replicated parameters counted once), clipping, AdamW on the shards, then
+every parameter all-gathered from its shards into the model (cast to the model dtype).
+
+The averaging is the same as Megatron DDP's (1/N): replicated contributions (a branch replayed on
+every CP rank) stay as they are, partial ones (a CP rank's share of a recomputed chunk) are scaled
+by CP where they arise (prompt_state/contexts.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from longstraw_mcore.parallel.reduce import all_reduce_max, all_reduce_sum, model_parallel_sum
+
+
+def _owned(p) -> bool:
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    return param_is_not_tensor_parallel_duplicate(p)
+
+
+class ShardedGradients:
+    """The model's parameters with gradient shards fed per micro-step (see the module docstring)."""
+
+    def __init__(self, model, group, par):
+        self.module, self.group, self.par = model, group, par
+        self.n, self.rank = group.size(), group.rank()
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.per = {p: -(-p.numel() // self.n) for p in self.params}
+        dev = par.device
+        self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        self.grad = {p: torch.zeros(self.per[p], dtype=self.dtype, device=dev) for p in self.params}
+        self.main = {p: self._my_piece(p.detach().to(self.dtype)).clone() for p in self.params}
+        self.rounds = 0
+
+    def _my_piece(self, full: torch.Tensor) -> torch.Tensor:
+        p_flat = full.reshape(-1)
+        per = -(-p_flat.numel() // self.n)
+        padded = torch.zeros(per * self.n, dtype=p_flat.dtype, device=p_flat.device)
+        padded[:p_flat.numel()] = p_flat
+        return padded[self.rank * per:(self.rank + 1) * per]
+
+    def micro_step_done(self) -> None:
+        """After a backward: reduce-scatter this micro-step's gradients into the shards, free them."""
+        self._round(True)
+
+    def finish(self) -> None:
+        """This rank's micro-steps of the step are done: join the other ranks' rounds until none is left."""
+        while self._round(False):
+            pass
+
+    @torch.no_grad()
+    def _round(self, mine: bool) -> bool:
+        if self.n > 1 and all_reduce_max([1.0 if mine else 0.0], self.group, self.par.device)[0] == 0.0:
+            return False  # nobody has a micro-step left
+        if self.n == 1 and not mine:
+            return False
+        self.rounds += 1
+        for p in self.params:
+            per = self.per[p]
+            g = torch.zeros(per * self.n, dtype=self.dtype, device=self.par.device)
+            if p.grad is not None:
+                g[:p.numel()] = p.grad.detach().reshape(-1)
+                p.grad = None  # the full-size gradient of this micro-step is freed here
+            out = torch.empty(per, dtype=self.dtype, device=g.device)
+            if self.n > 1:
+                dist.reduce_scatter_tensor(out, g, group=self.group)
+                out /= self.n
+            else:
+                out.copy_(g)
+            self.grad[p] += out
+        return True
+
+    def zero_grad_buffer(self) -> None:
+        for g in self.grad.values():
+            g.zero_()
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradient this rank holds now: its shards plus any full-size `.grad` left."""
+        shard = sum(g.numel() * g.element_size() for g in self.grad.values())
+        full = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
+        return shard + full
+
+
+class ShardedAdam:
+    """AdamW on the master shards of `ShardedGradients`; `step()` -> (ok, grad norm, None)."""
+
+    def __init__(self, sharded: ShardedGradients, lr: float, betas, eps: float, weight_decay: float, clip_grad: float):
+        self.s = sharded
+        self.leaves = [sharded.main[p].requires_grad_(False) for p in sharded.params]
+        self.optimizer = torch.optim.AdamW(self.leaves, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.clip_grad = clip_grad
+
+    def zero_grad(self) -> None:
+        self.s.zero_grad_buffer()
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        s = self.s
+        local = sum(float(s.grad[p].double().pow(2).sum()) for p in s.params if _owned(p))
+        over_shards = all_reduce_sum([local], s.group, s.par.device)[0]
+        return model_parallel_sum([over_shards], s.par)[0] ** 0.5
+
+    @torch.no_grad()
+    def step(self):
+        s = self.s
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            return False, norm, None
+        coeff = min(1.0, self.clip_grad / (norm + 1e-6)) if self.clip_grad > 0 else 1.0
+        for p, leaf in zip(s.params, self.leaves):
+            leaf.grad = s.grad[p] * coeff
+        self.optimizer.step()
+        for p, leaf in zip(s.params, self.leaves):
+            leaf.grad = None
+            full = leaf
+            if s.n > 1:
+                full = torch.empty(s.per[p] * s.n, dtype=leaf.dtype, device=leaf.device)
+                dist.all_gather_into_tensor(full, leaf.contiguous(), group=s.group)
+            p.data.copy_(full[:p.numel()].view_as(p).to(p.dtype))
+        return True, norm, None
+
+    def reload_model_params(self) -> None:
+        """Master shards from the model's parameters (after loading a checkpoint)."""
+        for p, leaf in zip(self.s.params, self.leaves):
+            leaf.copy_(self.s._my_piece(p.detach().to(self.s.dtype)))
+
+    def extra_state(self) -> dict:
+        """What a resume needs besides AdamW's state: the float32 master shards (bf16 models)."""
+        return {"main_shards": [leaf.detach().clone() for leaf in self.leaves]}
+
+    def load_extra_state(self, state: dict) -> None:
+        for leaf, saved in zip(self.leaves, state["main_shards"], strict=True):
+            leaf.copy_(saved)
+

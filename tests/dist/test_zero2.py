@@ -1,0 +1,94 @@
+"""Gradients reduced per micro-step (train.grad_reduction=micro_step, train/zero2.py): 4 gloo ranks,
+DP=2 x CP=2, exact mode, float64, two GRPO groups per data-parallel rank.
+
+- After every group (its branches' and its prompt sweep's micro-steps) no parameter holds a
+  full-size `.grad`: the rank's gradient bytes are its shards, 1/(DP x CP) of the model's (padding
+  aside). The two DP ranks' groups have different prompt lengths, hence different numbers of
+  micro-steps: the reduction rounds must still line up.
+- The shards, gathered, equal the single-rank gradient of the same groups (<= 1e-10), and one
+  optimizer step equals torch AdamW on the single-rank gradient (<= 1e-10), weight decay included.
+(The peak's independence of G under CP is measured in tests/dist/test_context_parallel.py: the
+profiler's memory timeline does not follow the in-place shard updates made here.)
+Why CP ranks' shards add up: see prompt_state/contexts.py (replicated replay, partial recompute x CP)."""
+
+from __future__ import annotations
+
+import torch
+
+from longstraw_mcore.launch_local import run_ranks
+
+
+def _worker(rank, world_size):
+    import os
+    import sys
+
+    import torch.distributed as dist
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "replay"))
+    from hf_reference import build_hf_model, hf_state, tiny_model_config
+    from test_replay_equivalence import make_group
+
+    from longstraw_mcore.checkpoint.full_state import load_full
+    from longstraw_mcore.checkpoint.qwen3_5 import hf_to_mcore
+    from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig, TrainConfig
+    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.parallel.groups import setup_parallel
+    from longstraw_mcore.replay.group_step import process_group
+    from longstraw_mcore.train.trainer import build_training
+
+    m = tiny_model_config(linear_num_key_heads=4, linear_num_value_heads=8)
+    full = hf_to_mcore(hf_state(build_hf_model(m, seed=71)), m)
+    groups = [make_group(m, 25 + 2 * i, [4, 1, 6][: 2 + i % 2], seed=72 + i) for i in range(4)]
+    rcfg, gcfg = ReplayConfig(mode="exact", chunk_len=7), GRPOConfig(beta=0.05)
+    train = TrainConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0, grad_reduction="micro_step")
+
+    # single rank: plain autograd over every group, then torch AdamW
+    par = setup_parallel(RunConfig(model=m, parallel=ParallelConfig(), device="cpu"))
+    ref = build_model(m, par, "cpu")
+    load_full(ref, full)
+    for g in groups:
+        process_group(ref, g, rcfg, gcfg, 1, scale=1 / len(groups))
+    names = [n for n, _ in ref.named_parameters()]
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    adam = torch.optim.AdamW([p for p in ref.parameters()], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    adam.step()
+    ref_after = {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+    cfg = RunConfig(model=m, parallel=ParallelConfig(cp=2), device="cpu", train=train)
+    par = setup_parallel(cfg)
+    model = build_model(m, par, "cpu")
+    load_full(model, full)
+    grads, opt = build_training(model, cfg, par)
+    n_dp = par.pgs.dp.rank()
+    full_bytes = sum(p.numel() for p in model.parameters()) * 8
+    after_each = []
+    for i, g in enumerate(groups):
+        if i % par.dp == n_dp:
+            process_group(grads, g, rcfg, gcfg, 1, scale=par.dp / len(groups))
+            after_each.append((grads.grad_bytes(), sum(p.grad is not None for p in model.parameters())))
+    grads.finish()  # the DP ranks' groups differ in micro-steps: join rounds until all are done
+    # gather the shards into full gradients
+    worst = 0.0
+    for name, p in zip(names, model.parameters()):
+        shard = grads.grad[p]
+        parts = torch.empty(shard.numel() * grads.n, dtype=shard.dtype)
+        dist.all_gather_into_tensor(parts, shard, group=grads.group)
+        g_full = parts[:p.numel()].view_as(p)
+        worst = max(worst, float((g_full - ref_grads[name]).abs().max() / ref_grads[name].abs().max().clamp_min(1e-300)))
+    opt.step()
+    step = max(float((p.detach() - ref_after[n]).abs().max() / ref_after[n].abs().max()) for n, p in
+               zip(names, model.parameters()))
+
+    return dict(after_each=after_each, full_bytes=full_bytes, n=grads.n, grad=worst, step=step, rounds=grads.rounds,
+                padding=sum(grads.per[p] * grads.n - p.numel() for p in model.parameters()) * 8)
+
+
+def test_micro_step_shards_equal_single_rank_and_free_full_gradients():
+    for rank, r in enumerate(run_ranks(_worker, 4, timeout_s=900)):
+        if rank == 0:
+            print(f"DP=2 x CP=2 micro-step shards: gradient vs single rank {r['grad']:.1e}, AdamW step {r['step']:.1e}; "
+                  f"gradient bytes per rank after each group {[b for b, _ in r['after_each']]} of a full "
+                  f"{r['full_bytes']} (1/{r['n']} = {r['full_bytes'] // r['n']} + padding {r['padding'] // r['n']}); "
+                  f"{r['rounds']} reduction rounds")
+        assert r["grad"] <= 1e-10 and r["step"] <= 1e-10, r
+        for nbytes, full_grads in r["after_each"]:
+            assert full_grads == 0 and nbytes == (r["full_bytes"] + r["padding"]) // r["n"], r["after_each"]
