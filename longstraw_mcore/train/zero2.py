@@ -45,16 +45,34 @@ def _owned(p) -> bool:
 
 
 class ShardedGradients:
-    """The model's parameters with gradient shards fed per micro-step (see the module docstring)."""
+    """The model's parameters with gradient shards fed per micro-step (see the module docstring).
 
-    def __init__(self, model, group, par):
+    Parameters are reduced in buckets of about `bucket_mib` (one reduce-scatter each): a bucket's send
+    buffer holds, for every rank i in turn, piece i of each of its parameters, so rank i's result is
+    its shard of all of them, back to back (`self.grad[p]` are views into it)."""
+
+    def __init__(self, model, group, par, bucket_mib: float = 64.0):
         self.module, self.group, self.par = model, group, par
         self.n, self.rank = group.size(), group.rank()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.per = {p: -(-p.numel() // self.n) for p in self.params}
         dev = par.device
         self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
-        self.grad = {p: torch.zeros(self.per[p], dtype=self.dtype, device=dev) for p in self.params}
+        elt = torch.empty(0, dtype=self.dtype).element_size()
+        self.buckets, cur, size = [], [], 0
+        for p in self.params:
+            cur.append(p)
+            size += self.per[p] * self.n * elt
+            if size >= bucket_mib * 2**20:
+                self.buckets.append(cur)
+                cur, size = [], 0
+        if cur:
+            self.buckets.append(cur)
+        self.shard = [torch.zeros(sum(self.per[p] for p in b), dtype=self.dtype, device=dev) for b in self.buckets]
+        self.grad = {}
+        for b, flat in zip(self.buckets, self.shard):
+            views = torch.split(flat, [self.per[p] for p in b])
+            self.grad.update(zip(b, views))
         self.main = {p: self._my_piece(p.detach().to(self.dtype)).clone() for p in self.params}
         self.rounds = 0
 
@@ -81,28 +99,34 @@ class ShardedGradients:
         if self.n == 1 and not mine:
             return False
         self.rounds += 1
-        for p in self.params:
-            per = self.per[p]
-            g = torch.zeros(per * self.n, dtype=self.dtype, device=self.par.device)
-            if p.grad is not None:
-                g[:p.numel()] = p.grad.detach().reshape(-1)
-                p.grad = None  # the full-size gradient of this micro-step is freed here
-            out = torch.empty(per, dtype=self.dtype, device=g.device)
+        for b, shard in zip(self.buckets, self.shard):
+            width = shard.numel()
+            send = torch.zeros(self.n, width, dtype=self.dtype, device=shard.device)  # one bucket, full size
+            col = 0
+            for p in b:
+                per = self.per[p]
+                if p.grad is not None:
+                    flat = p.grad.detach().reshape(-1).to(self.dtype)
+                    for i in range(self.n):  # piece i of p goes to rank i's part of the buffer
+                        piece = flat[i * per:(i + 1) * per]
+                        send[i, col:col + piece.numel()] = piece
+                    p.grad = None  # this micro-step's full-size gradient of p is freed here
+                col += per
             if self.n > 1:
-                dist.reduce_scatter_tensor(out, g, group=self.group)
-                out /= self.n
+                out = torch.empty(width, dtype=self.dtype, device=shard.device)
+                dist.reduce_scatter_tensor(out, send.reshape(-1), group=self.group)
+                shard.add_(out, alpha=1.0 / self.n)
             else:
-                out.copy_(g)
-            self.grad[p] += out
+                shard.add_(send[0])
         return True
 
     def zero_grad_buffer(self) -> None:
-        for g in self.grad.values():
-            g.zero_()
+        for flat in self.shard:
+            flat.zero_()
 
     def grad_bytes(self) -> int:
         """Bytes of gradient this rank holds now: its shards plus any full-size `.grad` left."""
-        shard = sum(g.numel() * g.element_size() for g in self.grad.values())
+        shard = sum(g.numel() * g.element_size() for g in self.shard)
         full = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
         return shard + full
 
