@@ -69,7 +69,7 @@ def _cases(tmp):
         ("unused reference (beta 0)", train + ["--rollouts", ok, "--ref-load", str(tmp)],
          "grpo.beta=0 (no KL term), so it would be unused"),
         ("train in float64", train + ["--rollouts", ok, "model.dtype=float64"],
-         "model.dtype=float64: `longstraw train` needs float32 or bfloat16"),
+         "model.dtype=float64: `longstraw train` with train.grad_reduction=step needs float32 or bfloat16"),
         ("config.json missing a field", ["train", "--hf", _hf_config(tmp / "nohidden", hidden_size=None),
                                          "--rollouts", ok, "--steps", "1"],
          "lacks required field(s) ['hidden_size']"),
