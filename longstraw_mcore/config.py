@@ -265,7 +265,6 @@ def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:
     tp = p.tp
     checks = [
         ("model.num_attention_heads", m.num_attention_heads),
-        ("model.num_key_value_heads", m.num_key_value_heads),
         ("model.linear_num_key_heads", m.linear_num_key_heads),
         ("model.linear_num_value_heads", m.linear_num_value_heads),
         ("model.intermediate_size", m.intermediate_size),
@@ -275,6 +274,15 @@ def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:
             valid = [d for d in range(1, v + 1) if v % d == 0 and d <= 64]
             raise ConfigError(f"{name}={v} is not divisible by parallel.tp={tp}; tensor parallel sizes that divide "
                               f"it: {valid}")
+    hk = m.num_key_value_heads
+    if tp > hk and tp % hk == 0:  # KV groups: each KV head's state sharded over tp/hk ranks (parallel/kv_group.py)
+        if p.cp > 1:
+            raise ConfigError(f"parallel.tp={tp} exceeds model.num_key_value_heads={hk} (KV groups) together with "
+                              f"parallel.cp={p.cp}: not supported yet; use parallel.tp <= {hk} with context parallelism")
+    elif hk % tp:
+        valid = [d for d in range(1, 65) if m.num_attention_heads % d == 0 and (hk % d == 0 or d % hk == 0)]
+        raise ConfigError(f"model.num_key_value_heads={hk} is not divisible by parallel.tp={tp}, nor is tp a multiple "
+                          f"of it; tensor parallel sizes that fit: {valid}")
     if m.num_layers < p.pp:
         raise ConfigError(f"parallel.pp={p.pp} exceeds model.num_layers={m.num_layers}")
     if p.ep != 1:

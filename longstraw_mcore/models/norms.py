@@ -8,7 +8,9 @@ A norm applied to a *head-sharded* tensor under tensor parallelism (attention q/
 output norm) sees only its rank's heads, so its weight gradient is partial per rank. Such norms are
 built with `tp_group` and pass the weight through `copy_to_tensor_model_parallel_region`, whose
 backward all-reduces: the weight gradient is complete right after `backward()`, with no reliance on
-`finalize_model_grads` name matching.
+`finalize_model_grads` name matching. A norm whose input is computed identically on `replicas` TP
+ranks (the k-norm of a KV head shared by a KV group: parallel/kv_group.py) scales its weight
+gradient by 1/replicas, so the all-reduce counts that head once.
 """
 
 from __future__ import annotations
@@ -22,27 +24,40 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _tp_weight(weight: torch.Tensor, tp_group) -> torch.Tensor:
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+def _tp_weight(weight: torch.Tensor, tp_group, replicas: int = 1) -> torch.Tensor:
     if tp_group is None or tp_group.size() == 1:
         return weight
-    return copy_to_tensor_model_parallel_region(weight, group=tp_group)
+    w = copy_to_tensor_model_parallel_region(weight, group=tp_group)
+    return w if replicas == 1 else _ScaleGrad.apply(w, 1.0 / replicas)
 
 
 class ZeroCenteredRMSNorm(torch.nn.Module):
     """Megatron norm-slot signature: `(config, hidden_size, eps)`; weight stored as HF stores it."""
 
-    def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-6, tp_group=None, dtype=None, **kwargs):
+    def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-6, tp_group=None, dtype=None,
+                 replicas: int = 1, **kwargs):
         super().__init__()
         dtype = dtype or (config.params_dtype if config is not None else torch.float32)
         self.eps = eps
-        self.tp_group = tp_group
+        self.tp_group, self.replicas = tp_group, replicas
         self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         work = _work_dtype(x.dtype)
         h = x.to(work)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = _tp_weight(self.weight, self.tp_group)
+        w = _tp_weight(self.weight, self.tp_group, self.replicas)
         return (h * (1.0 + w.to(work))).to(x.dtype)
 
 

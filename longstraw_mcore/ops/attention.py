@@ -42,7 +42,9 @@ class KeySet:
     query row). `grad = (acc_k, acc_v)`: >= float32 accumulators shaped like k/v that receive dK/dV
     (state gradients); otherwise gradients flow to k/v through autograd when they require them.
     `store_probs`: keep this set's probabilities for the backward (no score recompute; O(T * S)).
-    `grad_scale`: factor on what is added to `grad` (context parallelism's exact-mode recompute)."""
+    `grad_scale`: factor on what is added to `grad` (context parallelism's exact-mode recompute).
+    `local`: this rank holds these positions alone (a sequence shard of the state: context or KV-group
+    parallelism); the parallel attention functions merge such sets across ranks."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -50,6 +52,7 @@ class KeySet:
     grad: tuple[torch.Tensor, torch.Tensor] | None = None
     store_probs: bool = False
     grad_scale: float = 1.0
+    local: bool = False
 
     def __post_init__(self):
         assert self.k.dim() == 4 and self.k.shape[:3] == self.v.shape[:3], (self.k.shape, self.v.shape)

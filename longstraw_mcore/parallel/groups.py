@@ -91,6 +91,10 @@ def setup_parallel(cfg: RunConfig) -> Parallel:
     torch.manual_seed(cfg.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
+    # tp > KV heads: the TP ranks sharing a KV head form a KV group (parallel/kv_group.py)
+    from longstraw_mcore.parallel.kv_group import new_kv_groups
+
+    pgs.tp_kv = new_kv_groups(pgs.tp, cfg.model.num_key_value_heads)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     return Parallel(pgs=pgs, device=dev, tp=p.tp, pp=p.pp, cp=p.cp, dp=dp, rank=dist.get_rank(), world_size=world)
 

@@ -20,7 +20,13 @@ from __future__ import annotations
 import torch
 
 from longstraw_mcore.ops.attention import KeySet
+from longstraw_mcore.parallel.cp import local_count, local_positions
 from longstraw_mcore.prompt_state.base import LayerState, grad_dtype
+
+
+def _heads(m, tp: int) -> int:
+    """KV heads a TP rank holds: Hk / tp, or one (shared with its KV group) when tp exceeds Hk."""
+    return max(m.num_key_value_heads // tp, 1)
 
 
 def _elt(dtype: torch.dtype) -> int:
@@ -30,8 +36,13 @@ def _elt(dtype: torch.dtype) -> int:
 class AttentionKV(LayerState):
     kind = "attention_kv"
 
-    def __init__(self, m, tp: int, captured: int, device, batch: int = 1):
-        shape = (batch, captured, m.num_key_value_heads // tp, m.head_dim)
+    def __init__(self, m, tp: int, captured: int, device, batch: int = 1, kv=None, spans=None):
+        self.kv = kv  # KV group (tp > KV heads): keep 1/r of the positions of this rank's one KV head
+        if kv is not None:
+            assert spans is not None, "a KV-group state needs the capture chunks"
+            captured = sum(local_count(e - s, kv.size, kv.rank) for s, e in spans)
+        self.group_spans: dict = {}  # KV group: prompt span of a chunk -> (its buffer rows, its positions)
+        shape = (batch, captured, 1 if kv is not None else m.num_key_value_heads // tp, m.head_dim)
         self.k = torch.zeros(shape, dtype=m.torch_dtype, device=device)
         self.v = torch.zeros(shape, dtype=m.torch_dtype, device=device)
         self.length = 0                                  # positions written so far (this rank's)
@@ -46,6 +57,8 @@ class AttentionKV(LayerState):
         """Copy the chunk's K/V (this rank's tokens of it) to the buffer at `local_offset`. `merged`
         (one rank): one key set over the buffer up to the chunk's end, one causal call; otherwise
         (context parallel) the earlier state's shard and the chunk's own keys, apart."""
+        if self.kv is not None:
+            return self._capture_group(k, v, span)
         t = k.shape[1]
         if self.length != local_offset or local_offset + t > self.k.shape[1]:
             raise ValueError(f"attention state holds {self.length} of {self.k.shape[1]} positions; a chunk of {t} "
@@ -60,6 +73,19 @@ class AttentionKV(LayerState):
         prior = [KeySet(self.k[:, :local_offset], self.v[:, :local_offset], 0)] if local_offset else []
         return prior + [KeySet(k, v, span[0])]
 
+    def _capture_group(self, k, v, span):
+        """KV group: the chunk's K/V are computed in full on every rank of the group; keep this rank's
+        zig-zag share of the positions; attend to the group's state shards and the chunk's keys."""
+        s0, s1 = span
+        idx = torch.tensor(local_positions(s1 - s0, self.kv.size, self.kv.rank), dtype=torch.long, device=k.device)
+        lo = self.length
+        self.k[:, lo:lo + len(idx)].copy_(k.index_select(1, idx))
+        self.v[:, lo:lo + len(idx)].copy_(v.index_select(1, idx))
+        self.group_spans[span] = ((lo, lo + len(idx)), idx)
+        self.length, self.global_end = lo + len(idx), s1
+        prior = [KeySet(self.k[:, :lo], self.v[:, :lo], 0, local=True)] if lo else []
+        return prior + [KeySet(k, v, s0)]
+
     # --- replay: the whole prompt (read in place) and the branch's own keys (last) -------------------
     def replay_keys(self, k: torch.Tensor, v: torch.Tensor, offset: int, store_probs: bool) -> list[KeySet]:
         if offset != self.global_end:
@@ -67,7 +93,7 @@ class AttentionKV(LayerState):
         own = KeySet(k, v, offset)
         if self.length == 0:
             return [own]
-        return [KeySet(self.k, self.v, 0, grad=self.grad, store_probs=store_probs), own]
+        return [KeySet(self.k, self.v, 0, grad=self.grad, store_probs=store_probs, local=self.kv is not None), own]
 
     # --- exact mode ------------------------------------------------------------------------------
     def enable_grad(self) -> None:
@@ -81,19 +107,33 @@ class AttentionKV(LayerState):
 
     def recompute_keys(self, k: torch.Tensor, v: torch.Tensor, local_span: tuple[int, int], span: tuple[int, int],
                        deposit_scale: float = 1.0) -> list[KeySet]:
+        if self.kv is not None:  # this rank's rows of the chunk, and of the state before it
+            local_span, self.cur_idx = self.group_spans[tuple(span)]
         ls0, ls1 = local_span
-        assert self.grad is not None and k.shape[1] == ls1 - ls0, (k.shape, local_span)
+        assert self.grad is not None and (self.kv is not None or k.shape[1] == ls1 - ls0), (k.shape, local_span)
         self.produced, self.local_span = (k, v), local_span
         own = KeySet(k, v, span[0])
         if ls0 == 0:
             return [own]
         return [KeySet(self.k[:, :ls0], self.v[:, :ls0], 0, grad=(self.grad[0][:, :ls0], self.grad[1][:, :ls0]),
-                       grad_scale=deposit_scale), own]
+                       grad_scale=deposit_scale, local=self.kv is not None), own]
 
     def seeds(self, chunk: int):
         assert self.produced is not None, "the recompute did not reach this layer"
         ls0, ls1 = self.local_span
-        return list(self.produced), [self.grad[0][:, ls0:ls1], self.grad[1][:, ls0:ls1]]
+        if self.kv is None:
+            return list(self.produced), [self.grad[0][:, ls0:ls1], self.grad[1][:, ls0:ls1]]
+        # KV group: the chunk's K/V are replicated in the group; their gradient is every position's,
+        # assembled from the group's shards
+        import torch.distributed as dist
+
+        seeds = []
+        for t, g in zip(self.produced, self.grad):
+            full = torch.zeros(t.shape, dtype=g.dtype, device=g.device)
+            full.index_copy_(1, self.cur_idx, g[:, ls0:ls1])
+            dist.all_reduce(full, group=self.kv.group)
+            seeds.append(full)
+        return list(self.produced), seeds
 
     def finish_chunk(self, chunk: int) -> None:
         self.produced = None
@@ -107,12 +147,13 @@ class AttentionKV(LayerState):
 
     @classmethod
     def analytic_bytes(cls, m, tp: int, captured: int, exact_chunks: int, batch: int = 1, cp: int = 1) -> dict[str, int]:
-        """`captured`: the positions this rank holds (under CP its zig-zag share, parallel/cp.py)."""
-        return {"attention_kv": 2 * (m.num_key_value_heads // tp) * m.head_dim * captured * _elt(m.torch_dtype) * batch}
+        """`captured`: the positions this rank holds (its zig-zag share under context parallelism, or
+        in a KV group when tp exceeds the KV heads: parallel/cp.py)."""
+        return {"attention_kv": 2 * _heads(m, tp) * m.head_dim * captured * _elt(m.torch_dtype) * batch}
 
     @classmethod
     def analytic_grad_bytes(cls, m, tp: int, captured: int) -> int:
-        return 2 * (m.num_key_value_heads // tp) * m.head_dim * captured * _elt(grad_dtype(m.torch_dtype))
+        return 2 * _heads(m, tp) * m.head_dim * captured * _elt(grad_dtype(m.torch_dtype))
 
     @classmethod
     def probs_bytes(cls, m, tp: int, batch: int, tokens: int, captured: int) -> int:

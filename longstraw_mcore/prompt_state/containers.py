@@ -71,10 +71,13 @@ class PromptState:
 
 
 def allocate(model_cfg: ModelConfig, layer_types: dict[int, str], tp: int, captured: int, device,
-             batch: int = 1) -> PromptState:
-    """Empty state for the given local layers (`{layer_number: layer type}`), each of its family's kind."""
+             batch: int = 1, **layout) -> PromptState:
+    """Empty state for the given local layers (`{layer_number: layer type}`), each of its family's kind.
+    `captured`: positions this rank keeps (its share under context parallelism); `layout` (kv: the KV
+    group, spans: the capture chunks) is for kinds that shard further."""
     kinds = get_family(model_cfg.family).state_kinds
-    return PromptState(layers={n: kinds[t](model_cfg, tp, captured, device, batch) for n, t in layer_types.items()})
+    return PromptState(layers={n: kinds[t](model_cfg, tp, captured, device, batch, **layout)
+                               for n, t in layer_types.items()})
 
 
 def analytic_state_bytes(m: ModelConfig, tp: int, captured: int, exact_chunks: int = 0, batch: int = 1,

@@ -57,9 +57,9 @@ class _ChunkBase(_Base):
         assert len(pos) == S, (len(pos), S)
         return torch.tensor(pos, dtype=torch.long, device=device) + self.span[0]
 
-    def attend(self, q, keys: list[KeySet], q_start: int, block: int):
+    def attend(self, q, keys: list[KeySet], q_start: int, block: int, kv=None):
         if self.layout is None:
-            return super().attend(q, keys, q_start, block)
+            return super().attend(q, keys, q_start, block, kv)
         from longstraw_mcore.parallel.cp_attention import chunk_attention
 
         *prior, own = keys  # this rank's shard of the earlier chunks (maybe none), its pieces of this one
@@ -107,9 +107,9 @@ class ReplayContext(_Base):
     def key_sets(self, n: int, k, v):
         return self.state.layers[n].replay_keys(k, v, self.position_offset, self.store_probs)
 
-    def attend(self, q, keys: list[KeySet], q_start: int, block: int):
+    def attend(self, q, keys: list[KeySet], q_start: int, block: int, kv=None):
         if self.layout is None:
-            return super().attend(q, keys, q_start, block)
+            return super().attend(q, keys, q_start, block, kv)
         from longstraw_mcore.parallel.cp_attention import replay_attention
 
         *shard, own = keys  # the kinds put the branch's own keys last

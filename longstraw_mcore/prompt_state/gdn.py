@@ -63,7 +63,7 @@ def _grads_or_zeros(leaf: GDNState) -> GDNState:
 class GDNRecurrentState(LayerState):
     kind = "gdn_state"
 
-    def __init__(self, m, tp: int, captured: int, device, batch: int = 1):
+    def __init__(self, m, tp: int, captured: int, device, batch: int = 1, **_):
         self.dtype = m.torch_dtype
         hk = m.linear_num_key_heads // tp
         self.channels = (hk * m.linear_key_head_dim, hk * m.linear_key_head_dim,

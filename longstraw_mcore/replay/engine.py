@@ -150,8 +150,10 @@ def execute(model, plan: list[Step], g: _Group, state: PromptState | None = None
         if layout is not None and 0 < g.prefix.shape[1] < cp:
             raise ValueError(f"a prompt of {g.prefix.shape[1] + 1} tokens is too short for {cp} context-parallel "
                              f"ranks (each needs at least one of the prompt[:-1] positions)")
-        local = sum(local_count(e - s, cp, rank) for s, e in (st.span for st in plan if st.phase == "capture"))
-        state = allocate(core.model_cfg, core.state_layers(), core.tp_size, local, device)
+        spans = [st.span for st in plan if st.phase == "capture"]
+        local = sum(local_count(e - s, cp, rank) for s, e in spans)
+        state = allocate(core.model_cfg, core.state_layers(), core.tp_size, local, device,
+                         kv=getattr(core.pg_collection, "tp_kv", None), spans=spans)
     keep = g.cfg.mode == "exact"  # GDN kinds record the state entering each chunk for its recompute
     for i, step in enumerate(plan):
         t0 = time.perf_counter()

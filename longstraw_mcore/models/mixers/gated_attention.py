@@ -9,6 +9,8 @@ Legend: S tokens, B batch, P cached positions, D head_dim; Hq / Hk heads local t
     out = linear_proj(o * sigmoid(gate))
 
 Tensor parallel splits by heads (q heads with their gates, kv heads), `linear_proj` is row parallel.
+With more TP ranks than KV heads, the ranks sharing a KV head (a KV group) each compute it in full
+(`KVGroupLinear`) and shard its prompt state by sequence (parallel/kv_group.py).
 The cached state is K (after k-norm and RoPE) and V of earlier positions: the mixer hands the K/V of
 its own positions to the context (`ctx.key_sets`) and attends to the key sets it gets back, through
 the one attention entry point (`ops.attention.attention`).
@@ -27,7 +29,11 @@ from longstraw_mcore.models.norms import ZeroCenteredRMSNorm
 from longstraw_mcore.ops.attention import KeySet, apply_partial_rope, attention, rope_cos_sin
 
 
-def _plain_attend(q, keys, q_start, block):
+def _plain_attend(q, keys, q_start, block, kv=None):
+    if kv is not None:
+        from longstraw_mcore.parallel.kv_group import group_attention
+
+        return group_attention(q, [], keys, q_start, kv, block=block)
     return attention(q, keys, q_start, block=block)
 
 
@@ -46,7 +52,10 @@ class GatedAttentionMixer(MegatronModule):
         self.layer_number = layer_number
         self.tp_group = pg_collection.tp
         tp = self.tp_group.size()
-        self.hq, self.hk, self.d = m.num_attention_heads // tp, m.num_key_value_heads // tp, m.head_dim
+        # tp > KV heads: this rank's KV head is shared with its KV group (parallel/kv_group.py)
+        self.kv = getattr(pg_collection, "tp_kv", None)
+        self.hq, self.d = m.num_attention_heads // tp, m.head_dim
+        self.hk = 1 if self.kv is not None else m.num_key_value_heads // tp
         self.rotary_dim, self.rope_theta = m.rotary_dim, m.rope_theta
         self.block = m.attention_block
         Hd = config.hidden_size
@@ -56,10 +65,21 @@ class GatedAttentionMixer(MegatronModule):
                                          gather_output=False, skip_bias_add=True, tp_group=self.tp_group)
 
         self.linear_q = col(m.num_attention_heads * m.head_dim * 2)
-        self.linear_k = col(m.num_key_value_heads * m.head_dim)
-        self.linear_v = col(m.num_key_value_heads * m.head_dim)
+        if self.kv is None:
+            self.linear_k = col(m.num_key_value_heads * m.head_dim)
+            self.linear_v = col(m.num_key_value_heads * m.head_dim)
+        else:
+            from longstraw_mcore.parallel.kv_group import KVGroupLinear
+
+            def kvlin(tag):
+                return KVGroupLinear(Hd, m.head_dim, m.num_key_value_heads, self.kv, self.tp_group,
+                                     config.params_dtype, config.init_method_std, torch.initial_seed(),
+                                     f"layer{layer_number}{tag}")
+
+            self.linear_k, self.linear_v = kvlin("k"), kvlin("v")
         self.q_norm = ZeroCenteredRMSNorm(config, m.head_dim, eps=m.rms_norm_eps, tp_group=self.tp_group)
-        self.k_norm = ZeroCenteredRMSNorm(config, m.head_dim, eps=m.rms_norm_eps, tp_group=self.tp_group)
+        self.k_norm = ZeroCenteredRMSNorm(config, m.head_dim, eps=m.rms_norm_eps, tp_group=self.tp_group,
+                                          replicas=self.kv.size if self.kv is not None else 1)
         self.linear_proj = submodules.linear_proj(m.num_attention_heads * m.head_dim, Hd, config=config,
                                                   init_method=config.output_layer_init_method, bias=False,
                                                   input_is_parallel=True, skip_bias_add=True, tp_group=self.tp_group)
@@ -86,11 +106,12 @@ class GatedAttentionMixer(MegatronModule):
         # The context turns this call's K/V into the key sets to attend to (and keeps what it must):
         # the cached positions read in place and these positions, one softmax over their union.
         keys = ctx.key_sets(self.layer_number, k, v) if ctx is not None else [KeySet(k, v, offset)]
+        attend = ctx.attend if ctx is not None else _plain_attend
         qg, _ = self.linear_q(x)
         qg = qg.reshape(B, S, self.hq, 2 * self.d)
         q, gate = qg[..., :self.d], qg[..., self.d:]
         q = apply_partial_rope(self.q_norm(q), cos, sin)
-        o, _ = (ctx.attend if ctx is not None else _plain_attend)(q, keys, offset, self.block)
+        o, _ = attend(q, keys, offset, self.block, self.kv)
         o = o.reshape(B, S, self.hq * self.d) * torch.sigmoid(gate.reshape(B, S, self.hq * self.d))
         out, _ = self.linear_proj(o.transpose(0, 1).contiguous())
         return out, None

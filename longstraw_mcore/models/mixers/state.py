@@ -6,7 +6,8 @@ holds the single-rank defaults; context parallelism overrides them in prompt_sta
 - every mixer: `ctx.positions(S, device)`, the absolute positions of the call's S tokens (RoPE);
 - attention: `ctx.key_sets(layer_number, k, v)` with the K/V of the call's own positions returns the
   key sets (`ops.attention.KeySet`) its queries attend to (earlier positions and its own), and
-  `ctx.attend(q, key_sets, q_start, block)` computes the attention over them;
+  `ctx.attend(q, key_sets, q_start, block, kv)` computes the attention over them (`kv`: the layer's KV
+  group when TP exceeds the KV heads);
 - Gated DeltaNet: `ctx.recurrent(layer_number, core, inputs, n_k_heads)` runs the mixer's sequence
   core (conv + delta rule over a head range, from an entering state to a leaving one) on the call's
   tokens; by default through `ctx.read(layer_number)` (the state entering the call, None = start of
@@ -66,7 +67,13 @@ class StateHooks:
     def positions(self, S: int, device) -> torch.Tensor:
         return torch.arange(self.position_offset, self.position_offset + S, device=device)
 
-    def attend(self, q: torch.Tensor, keys: list[KeySet], q_start: int, block: int):
+    def attend(self, q: torch.Tensor, keys: list[KeySet], q_start: int, block: int, kv=None):
+        """`kv`: the layer's KV group when tp exceeds the KV heads (parallel/kv_group.py)."""
+        if kv is not None:
+            from longstraw_mcore.parallel.kv_group import group_attention
+
+            return group_attention(q, [k for k in keys if k.local], [k for k in keys if not k.local], q_start, kv,
+                                   block=block)
         return attention(q, keys, q_start, block=block)
 
     def recurrent(self, layer_number: int, core, inputs: tuple, n_k_heads: int):

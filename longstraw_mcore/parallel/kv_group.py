@@ -1,0 +1,217 @@
+"""Tensor parallelism beyond the number of KV heads: KV groups, their K/V state sharded by sequence.
+
+With tp > Hk KV heads (Qwen3.6-27B: 4 KV heads at TP=8), r = tp / Hk consecutive TP ranks share one
+KV head (a "KV group"; rank t serves KV head t // r, position g = t % r in its group), each with its
+own Hq/tp query heads. Megatron splits K/V projections evenly over TP, which would cut a head in
+pieces; here each rank of a group computes its head's K/V in full (`KVGroupLinear`: the head's rows
+of the weight, replicated in the group), and the prompt state of that head is not replicated but
+sharded by sequence inside the group (zig-zag pieces of every chunk, as context parallelism does:
+parallel/cp.py): each rank keeps 1/r of the positions.
+
+Attention (`group_attention`, one autograd node): rank g gathers the query heads of its whole group
+(all heads that read its KV head), computes them against its shard of the state, merges the r
+partials by log-sum-exp (all-reduce), and keeps its own heads; the keys every rank holds in full
+(the branch's or the chunk's own, computed identically in the group) it computes for its own heads
+only. Backward, with the merged lse and delta: the state gradient of its shard stays local (the
+sinks), the group's query gradient is summed and each rank keeps its heads', and the gradient of the
+replicated keys is summed over the group so every replica holds all of it. The replicated K/V
+projections then get identical gradients in the group (like TP-replicated norms); their input
+gradient is scaled by 1/r before Megatron's usual all-reduce over TP, so each head counts once (the
+k-norm's weight gradient likewise: models/norms.py).
+Exact mode's recompute seeds the chunk's (replicated) K/V with the gradient of every position,
+assembled from the group's shards by an all-reduce.
+
+Gradient norms count a replicated projection once: it is marked `tensor_model_parallel` on the
+group's first rank only, so Megatron's `param_is_not_tensor_parallel_duplicate` (and ours) skips
+the copies.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from longstraw_mcore.models.norms import _ScaleGrad
+from longstraw_mcore.ops.attention import KeySet, _kernel
+from longstraw_mcore.ops.block_attention import work_dtype
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    group: object   # process group of the r TP ranks sharing one KV head
+    rank: int       # g, position in the group
+    size: int       # r
+    head: int       # the KV head of this group (index into all Hk heads)
+
+
+def new_kv_groups(tp_group, n_kv_heads: int):
+    """Create the KV groups inside every TP group of the world (collective over the world: every rank
+    creates every group, in the same order); return this rank's KVGroup, or None when tp <= Hk."""
+    tp = tp_group.size()
+    if tp <= n_kv_heads:
+        return None
+    r = tp // n_kv_heads
+    mine = dist.get_process_group_ranks(tp_group)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    own = None
+    for ranks in sorted({tuple(x) for x in every}):
+        for j in range(n_kv_heads):
+            members = list(ranks[j * r:(j + 1) * r])
+            grp = dist.new_group(ranks=members)
+            if dist.get_rank() in members:
+                own = KVGroup(group=grp, rank=members.index(dist.get_rank()), size=r, head=j)
+    return own
+
+
+class KVGroupLinear(torch.nn.Module):
+    """The K (or V) projection of one KV head, replicated on the r ranks of its KV group: weight
+    [D, H] = rows [j*D, (j+1)*D) of the full [Hk*D, H]. Returns (out, None) like Megatron's linears."""
+
+    def __init__(self, hidden: int, head_dim: int, n_kv: int, kv: KVGroup, tp_group, dtype, init_std: float,
+                 seed: int, tag: str):
+        super().__init__()
+        self.kv, self.tp_group, self.n_kv, self.head_dim = kv, tp_group, n_kv, head_dim
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(tag.encode())) % (2**63))
+        full = torch.empty(n_kv * head_dim, hidden, dtype=torch.float64).normal_(0.0, init_std, generator=gen)
+        self.weight = torch.nn.Parameter(full[kv.head * head_dim:(kv.head + 1) * head_dim].to(dtype).contiguous())
+        # counted once in gradient norms (see the module docstring)
+        self.weight.tensor_model_parallel = kv.rank == 0
+        self.weight.partition_dim, self.weight.partition_stride = 0, 1
+
+    def forward(self, x):
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
+        return F.linear(_ScaleGrad.apply(x, 1.0 / self.kv.size), self.weight), None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        dp = metadata["dp_cp_group"].rank()
+        key = f"{prefix}weight"
+        return {key: ShardedTensor.from_rank_offsets(key, self.weight, *sharded_offsets,
+                                                     (len(sharded_offsets), self.kv.head, self.n_kv),
+                                                     replica_id=(0, self.kv.rank, dp))}
+
+
+def _gather_heads(x: torch.Tensor, kv: KVGroup, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(kv.size)]
+    dist.all_gather(parts, x.contiguous(), group=kv.group)
+    return torch.cat(parts, dim)
+
+
+def _all_reduce(x: torch.Tensor, kv: KVGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, op=op, group=kv.group)
+    return x
+
+
+class _GroupAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, cfg, *kv_t):
+        q_start, scale, block, kv, sets = cfg  # sets: (start, sink, sink_scale, replicated) per key set
+        kern = _kernel(q)
+        work = work_dtype(q.dtype)
+        B, T, h, _ = q.shape
+        H = h * kv.size
+        shard = [j for j, s in enumerate(sets) if not s[3]]
+        rep = [j for j, s in enumerate(sets) if s[3]]
+        Dv = kv_t[1].shape[-1]
+        o = torch.zeros(B, H, T, Dv, dtype=work, device=q.device)
+        lse = torch.full((B, H, T), float("-inf"), dtype=work, device=q.device)
+        parts = []
+        if shard:  # the whole group's query heads against this rank's shard of the state
+            qg = _gather_heads(q, kv, 2)
+            parts += [kern.partial_forward(qg, kv_t[2 * j], kv_t[2 * j + 1], q_start, sets[j][0], scale, block,
+                                           False)[:2] for j in shard]
+        own_o = torch.zeros(B, H, T, Dv, dtype=work, device=q.device)
+        own_lse = torch.full((B, H, T), float("-inf"), dtype=work, device=q.device)
+        sl = slice(kv.rank * h, (kv.rank + 1) * h)
+        for j in rep:  # keys every rank of the group holds: its own heads only
+            oj, lj, _ = kern.partial_forward(q, kv_t[2 * j], kv_t[2 * j + 1], q_start, sets[j][0], scale, block, False)
+            if torch.isinf(own_lse[:, sl]).all():
+                own_o[:, sl], own_lse[:, sl] = oj, lj
+            else:
+                m = torch.logsumexp(torch.stack([own_lse[:, sl], lj]), 0)
+                safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+                own_o[:, sl] = own_o[:, sl] * torch.exp(own_lse[:, sl] - safe)[..., None] + oj * torch.exp(lj - safe)[..., None]
+                own_lse[:, sl] = m
+        parts.append((own_o, own_lse))
+        from longstraw_mcore.parallel.cp_attention import _merge_local
+
+        o, lse = _merge_local(parts, (B, H, T, Dv), work, q.device)
+        if shard:  # merge the group's partials of every head
+            m = _all_reduce(lse.clone(), kv, dist.ReduceOp.MAX)
+            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+            w = torch.exp(lse - m)
+            den = _all_reduce(w.clone(), kv)
+            num = _all_reduce(o * w[..., None], kv)
+            empty = den == 0
+            one = torch.ones_like(den)
+            o = num / torch.where(empty, one, den)[..., None]
+            lse = torch.where(empty, torch.full_like(den, float("-inf")), m + torch.log(torch.where(empty, one, den)))
+        out = o[:, sl].transpose(1, 2).to(q.dtype)
+        lse_own = lse[:, sl].transpose(1, 2).contiguous()
+        ctx.save_for_backward(q, *kv_t, out, lse_own)
+        ctx.cfg = cfg
+        return out, lse_own
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q_start, scale, block, kv, sets = ctx.cfg
+        n = len(sets)
+        saved = ctx.saved_tensors
+        q, kv_t, out, lse = saved[0], saved[1:1 + 2 * n], saved[1 + 2 * n], saved[2 + 2 * n]
+        kern = _kernel(q)
+        work = work_dtype(q.dtype)
+        do = (torch.zeros_like(out) if dout is None else dout).to(work).transpose(1, 2)       # [B,h,T,Dv]
+        delta = (do * out.to(work).transpose(1, 2)).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.to(work).transpose(1, 2)
+        lse_h = lse.to(work).transpose(1, 2)
+        dq = torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=work, device=q.device)
+        grads = [None] * (2 * n)
+        shard = [j for j, s in enumerate(sets) if not s[3]]
+        if shard:
+            qg = _gather_heads(q, kv, 2)
+            dog, deltag, lseg = (_gather_heads(x, kv, 1) for x in (do, delta, lse_h))
+            dqg = torch.zeros(qg.shape[0], qg.shape[2], qg.shape[1], qg.shape[3], dtype=work, device=q.device)
+            for j in shard:
+                start, sink, sink_scale, _ = sets[j]
+                need = (ctx.needs_input_grad[2 + 2 * j], ctx.needs_input_grad[3 + 2 * j])
+                dqj, dk, dv = kern.partial_backward(qg, kv_t[2 * j], kv_t[2 * j + 1], dog, deltag, lseg, q_start, start,
+                                                    scale, block, None, True, need[0], need[1], sink=sink,
+                                                    sink_scale=sink_scale)
+                dqg += dqj
+                if dk is not None:
+                    grads[2 * j], grads[2 * j + 1] = dk.transpose(1, 2), dv.transpose(1, 2)
+            h = q.shape[2]
+            dq += _all_reduce(dqg, kv)[:, kv.rank * h:(kv.rank + 1) * h]
+        for j, s in enumerate(sets):
+            if not s[3]:
+                continue
+            dqj, dk, dv = kern.partial_backward(q, kv_t[2 * j], kv_t[2 * j + 1], do, delta, lse_h, q_start, s[0],
+                                                scale, block, None, True, True, True)
+            dq += dqj
+            # keys replicated in the group: every replica gets the whole gradient
+            grads[2 * j], grads[2 * j + 1] = _all_reduce(dk, kv).transpose(1, 2), _all_reduce(dv, kv).transpose(1, 2)
+        grads = [None if g is None else g.to(kv_t[i].dtype) for i, g in enumerate(grads)]
+        return (dq.transpose(1, 2).to(q.dtype) if ctx.needs_input_grad[0] else None, None, *grads)
+
+
+def group_attention(q, shard_sets: list[KeySet], replicated_sets: list[KeySet], q_start: int, kv: KVGroup,
+                    scale: float | None = None, block: int = 1024):
+    """This rank's query heads q [B,T,h,D] over its shard of the state (`shard_sets`, this rank's
+    positions of its KV head) and the keys its whole KV group holds (`replicated_sets`): (out, lse)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    sets = tuple((int(ks.start), ks.grad, float(ks.grad_scale), False) for ks in shard_sets) + \
+        tuple((int(ks.start), None, 1.0, True) for ks in replicated_sets)
+    kv_t = [t for ks in (*shard_sets, *replicated_sets) for t in (ks.k, ks.v)]
+    return _GroupAttention.apply(q, (int(q_start), scale, int(block), kv, sets), *kv_t)
