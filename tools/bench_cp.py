@@ -70,12 +70,18 @@ def _worker(rank, world_size, config, overrides, P, chunk, cp):
     for name in ("all_gather", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
         setattr(dist, name, counted(name, getattr(dist, name)))
     prompt = torch.randint(0, cfg.model.vocab_size, (1, P - 1), generator=torch.Generator().manual_seed(0))
+    from longstraw_mcore.bench.memory import measure_memory
+
     dist.barrier()
     t = time.perf_counter()
     st = capture(model, prompt, type(cfg.replay)(chunk_len=chunk))
     wall = time.perf_counter() - t
-    return {"rank": rank, "cp": cp, "wall_s": wall, **{f"{k}_s": v for k, v in clock.items()},
-            "collectives": {k: {"calls": v[0], "bytes": v[1], "seconds": v[2]} for k, v in comm.items()},
+    timed_clock, timed_comm = dict(clock), {k: list(v) for k, v in comm.items()}  # the memory run is not timed
+    dist.barrier()
+    _, peak, _, how = measure_memory(lambda: capture(model, prompt, type(cfg.replay)(chunk_len=chunk)), par.device)
+    return {"rank": rank, "cp": cp, "wall_s": wall, "peak_bytes": peak, "peak_how": how,
+            **{f"{k}_s": v for k, v in timed_clock.items()},
+            "collectives": {k: {"calls": v[0], "bytes": v[1], "seconds": v[2]} for k, v in timed_comm.items()},
             "state_bytes": st.nbytes_by_type()}
 
 
@@ -94,14 +100,16 @@ def main(argv=None) -> int:
     for cp in (1, a.cp):
         rows += run_ranks(_worker, cp, a.config, a.overrides, a.prompt_len, a.chunk_len, cp, timeout_s=3600)
     print(f"capture of P={a.prompt_len} in chunks of {a.chunk_len} ({a.config}); seconds per rank")
-    print("| CP | rank | wall s | GDN core s | attention s | collectives (calls, MiB, s) | attention K/V MiB | GDN state MiB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| CP | rank | wall s | GDN core s | attention s | collectives (calls, MiB, s) | attention K/V MiB | GDN state MiB "
+          "| capture peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         coll = "; ".join(f"{k} {v['calls']}, {v['bytes'] / 2**20:.2f}, {v['seconds']:.2f}" for k, v in
                          sorted(r["collectives"].items())) or "-"
         sb = r["state_bytes"]
         print(f"| {r['cp']} | {r['rank']} | {r['wall_s']:.2f} | {r['gdn_core_s']:.2f} | {r['attention_s']:.2f} | {coll} | "
-              f"{sb['attention_kv'] / 2**20:.3f} | {(sb['gdn_state'] + sb['gdn_chunk_boundaries']) / 2**20:.3f} |")
+              f"{sb['attention_kv'] / 2**20:.3f} | {(sb['gdn_state'] + sb['gdn_chunk_boundaries']) / 2**20:.3f} | "
+              f"{r['peak_bytes'] / 2**20:.1f} |")
     with open(a.out, "w") as f:
         json.dump({"config": a.config, "prompt_len": a.prompt_len, "chunk_len": a.chunk_len, "rows": rows}, f, indent=1)
     print(f"wrote {a.out}")

@@ -97,8 +97,12 @@ def _cases(tmp):
 
 
 def test_each_bad_input_exits_2_with_one_line(tmp_path):
-    for name, args, needle in _cases(tmp_path):
-        r = _run(*args)
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = _cases(tmp_path)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # independent processes, two cores
+        runs = list(pool.map(lambda c: _run(*c[1]), cases))
+    for (name, args, needle), r in zip(cases, runs):
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2, (name, r.returncode, r.stderr[-2000:])
         assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (name, r.stderr)

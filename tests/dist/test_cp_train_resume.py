@@ -34,7 +34,7 @@ def test_train_dp2_cp2_resume_and_validate_cp2(tmp_path):
     from longstraw_mcore.data.rollouts import write_rollouts
 
     rollouts = tmp_path / "r.jsonl"
-    write_rollouts(rollouts, make_groups(512, 8, 40, 3, 8, seed=2, equal_reward_every=4))
+    write_rollouts(rollouts, make_groups(512, 8, 30, 2, 6, seed=2, equal_reward_every=4))
     common = ["--config", "configs/qwen3.6-tiny.yaml", "--rollouts", str(rollouts), "parallel.cp=2",
               "replay.mode=exact", "replay.chunk_len=16", "train.lr=1e-3", "train.grad_reduction=micro_step",
               "train.save_every=5"]
