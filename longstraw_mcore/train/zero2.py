@@ -137,7 +137,12 @@ class ShardedAdam:
     def __init__(self, sharded: ShardedGradients, lr: float, betas, eps: float, weight_decay: float, clip_grad: float):
         self.s = sharded
         self.leaves = [sharded.main[p].requires_grad_(False) for p in sharded.params]
-        self.optimizer = torch.optim.AdamW(self.leaves, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        # as Megatron's optimizer: no weight decay on 1-D parameters (norms, A_log, dt_bias)
+        decay = [leaf for p, leaf in zip(sharded.params, self.leaves) if p.dim() > 1]
+        no_decay = [leaf for p, leaf in zip(sharded.params, self.leaves) if p.dim() <= 1]
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}],
+                                           lr=lr, betas=betas, eps=eps)
         self.clip_grad = clip_grad
 
     def zero_grad(self) -> None:

@@ -6,7 +6,8 @@ DP=2 x CP=2, exact mode, float64, two GRPO groups per data-parallel rank.
   aside). The two DP ranks' groups have different prompt lengths, hence different numbers of
   micro-steps: the reduction rounds must still line up.
 - The shards, gathered, equal the single-rank gradient of the same groups (<= 1e-10), and one
-  optimizer step equals torch AdamW on the single-rank gradient (<= 1e-10), weight decay included.
+  optimizer step equals torch AdamW on the single-rank gradient (<= 1e-10), weight decay on matrices
+  only (as Megatron's optimizer).
 (The peak's independence of G under CP is measured in tests/dist/test_context_parallel.py: the
 profiler's memory timeline does not follow the in-place shard updates made here.)
 Why CP ranks' shards add up: see prompt_state/contexts.py (replicated replay, partial recompute x CP)."""
@@ -49,7 +50,9 @@ def _worker(rank, world_size):
         process_group(ref, g, rcfg, gcfg, 1, scale=1 / len(groups))
     names = [n for n, _ in ref.named_parameters()]
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
-    adam = torch.optim.AdamW([p for p in ref.parameters()], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    adam = torch.optim.AdamW([{"params": [p for p in ref.parameters() if p.dim() > 1], "weight_decay": 0.1},
+                              {"params": [p for p in ref.parameters() if p.dim() == 1], "weight_decay": 0.0}],
+                             lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     adam.step()
     ref_after = {n: p.detach().clone() for n, p in ref.named_parameters()}
 
