@@ -19,27 +19,18 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
+from longstraw_mcore.ops.scale_grad import scale_grad
+
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale: float):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.scale, None
 
 
 def _tp_weight(weight: torch.Tensor, tp_group, replicas: int = 1) -> torch.Tensor:
     if tp_group is None or tp_group.size() == 1:
         return weight
     w = copy_to_tensor_model_parallel_region(weight, group=tp_group)
-    return w if replicas == 1 else _ScaleGrad.apply(w, 1.0 / replicas)
+    return scale_grad(w, 1.0 / replicas)
 
 
 class ZeroCenteredRMSNorm(torch.nn.Module):

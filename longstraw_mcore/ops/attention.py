@@ -96,11 +96,7 @@ class _MergedAttention(torch.autograd.Function):
         saved = ctx.saved_tensors
         q, kv, out, lse, flat = saved[0], saved[1:1 + 2 * n], saved[1 + 2 * n], saved[2 + 2 * n], saved[3 + 2 * n:]
         work = plain.work_dtype(q.dtype)
-        do = (torch.zeros_like(out) if dout is None else dout).to(work).transpose(1, 2)   # [B,Hq,T,Dv]
-        delta = (do * out.to(work).transpose(1, 2)).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse.to(work).transpose(1, 2)
-        lse_h = lse.to(work).transpose(1, 2)
+        do, delta, lse_h = plain.backward_terms(dout, dlse, out, lse, work)                 # [B,Hq,T,*]
         kern = _kernel(q)
         need_q = ctx.needs_input_grad[0]
         dq = None

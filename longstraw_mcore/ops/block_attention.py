@@ -33,6 +33,16 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def backward_terms(dout, dlse, out, lse, work):
+    """(dO [B,H,T,Dv], delta [B,H,T], lse [B,H,T]) in the work dtype from an attention node's saved
+    out [B,T,H,Dv] / lse [B,T,H] and incoming gradients: delta = rowsum(dO * O) - dlse."""
+    do = (torch.zeros_like(out) if dout is None else dout).to(work).transpose(1, 2)
+    delta = (do * out.to(work).transpose(1, 2)).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.to(work).transpose(1, 2)
+    return do, delta, lse.to(work).transpose(1, 2)
+
+
 def _mask(T: int, nb: int, q_start: int, k0: int, device) -> torch.Tensor | None:
     """True where key (k0 + j) is *after* query (q_start + i); None when nothing is masked."""
     if k0 + nb - 1 <= q_start:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from longstraw_mcore.ops.attention import KeySet, _kernel
-from longstraw_mcore.ops.block_attention import work_dtype
+from longstraw_mcore.ops.block_attention import backward_terms, work_dtype
 from longstraw_mcore.parallel.cp import CPLayout, rank_pieces
 from longstraw_mcore.parallel.cp_comm import all_reduce_sum, gather_tokens, local_rows
 
@@ -50,8 +50,9 @@ def _merge_local(parts, shape, work, device):
     return sum(o * torch.exp(l - safe)[..., None] for o, l in parts), lse
 
 
-def _merge_ranks(o, lse, layout: CPLayout):
-    """The softmax over every rank's keys from each rank's (O_r, lse_r), on every rank."""
+def _merge_ranks(o, lse, layout):
+    """The softmax over every rank's keys from each rank's (O_r, lse_r), on every rank of `layout.group`
+    (a CPLayout, or a KV group)."""
     m = lse.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=layout.group)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
@@ -89,11 +90,7 @@ class _ReplayAttention(torch.autograd.Function):
         saved = ctx.saved_tensors
         q, kv, out, lse = saved[0], saved[1:1 + 2 * n], saved[1 + 2 * n], saved[2 + 2 * n]
         work = work_dtype(q.dtype)
-        do = (torch.zeros_like(out) if dout is None else dout).to(work).transpose(1, 2)
-        delta = (do * out.to(work).transpose(1, 2)).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse.to(work).transpose(1, 2)
-        lse_h = lse.to(work).transpose(1, 2)
+        do, delta, lse_h = backward_terms(dout, dlse, out, lse, work)
         kern = _kernel(q)
         dq = torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=work, device=q.device)
         grads = [None] * (2 * n)

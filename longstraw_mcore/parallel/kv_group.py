@@ -35,9 +35,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from longstraw_mcore.models.norms import _ScaleGrad
 from longstraw_mcore.ops.attention import KeySet, _kernel
-from longstraw_mcore.ops.block_attention import work_dtype
+from longstraw_mcore.ops.block_attention import backward_terms, work_dtype
+from longstraw_mcore.ops.scale_grad import scale_grad
+from longstraw_mcore.parallel.cp_attention import _merge_local, _merge_ranks
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class KVGroupLinear(torch.nn.Module):
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
         x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
-        return F.linear(_ScaleGrad.apply(x, 1.0 / self.kv.size), self.weight), None
+        return F.linear(scale_grad(x, 1.0 / self.kv.size), self.weight), None
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -144,19 +145,9 @@ class _GroupAttention(torch.autograd.Function):
                 own_o[:, sl] = own_o[:, sl] * torch.exp(own_lse[:, sl] - safe)[..., None] + oj * torch.exp(lj - safe)[..., None]
                 own_lse[:, sl] = m
         parts.append((own_o, own_lse))
-        from longstraw_mcore.parallel.cp_attention import _merge_local
-
         o, lse = _merge_local(parts, (B, H, T, Dv), work, q.device)
         if shard:  # merge the group's partials of every head
-            m = _all_reduce(lse.clone(), kv, dist.ReduceOp.MAX)
-            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-            w = torch.exp(lse - m)
-            den = _all_reduce(w.clone(), kv)
-            num = _all_reduce(o * w[..., None], kv)
-            empty = den == 0
-            one = torch.ones_like(den)
-            o = num / torch.where(empty, one, den)[..., None]
-            lse = torch.where(empty, torch.full_like(den, float("-inf")), m + torch.log(torch.where(empty, one, den)))
+            o, lse = _merge_ranks(o, lse, kv)
         out = o[:, sl].transpose(1, 2).to(q.dtype)
         lse_own = lse[:, sl].transpose(1, 2).contiguous()
         ctx.save_for_backward(q, *kv_t, out, lse_own)
@@ -171,11 +162,7 @@ class _GroupAttention(torch.autograd.Function):
         q, kv_t, out, lse = saved[0], saved[1:1 + 2 * n], saved[1 + 2 * n], saved[2 + 2 * n]
         kern = _kernel(q)
         work = work_dtype(q.dtype)
-        do = (torch.zeros_like(out) if dout is None else dout).to(work).transpose(1, 2)       # [B,h,T,Dv]
-        delta = (do * out.to(work).transpose(1, 2)).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse.to(work).transpose(1, 2)
-        lse_h = lse.to(work).transpose(1, 2)
+        do, delta, lse_h = backward_terms(dout, dlse, out, lse, work)                        # [B,h,T,*]
         dq = torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=work, device=q.device)
         grads = [None] * (2 * n)
         shard = [j for j, s in enumerate(sets) if not s[3]]
