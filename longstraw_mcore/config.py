@@ -134,12 +134,38 @@ class ParallelConfig:
     capture chunk), branches replayed whole on every CP rank (prompt_state/contexts.py)."""
     ep: int = 1
     """Expert parallel size (MoE families only)."""
+    pp_layers: list[int] | None = None
+    """Decoder layers of each pipeline stage, first to last (uneven stages, e.g. [15, 16, 16, 17] for
+    64 layers at pp=4); None splits them evenly. The embedding sits on the first stage and the output
+    layer on the last (both families keep them untied)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"parallel.{name}={v!r}: must be a positive integer")
+        if self.pp_layers is not None:
+            pl = self.pp_layers
+            if not isinstance(pl, (list, tuple)) or any(not isinstance(n, int) or isinstance(n, bool) or n < 1
+                                                         for n in pl):
+                raise ConfigError(f"parallel.pp_layers={pl!r}: must be a list of positive layer counts, one per "
+                                  f"pipeline stage")
+            if len(pl) != self.pp:
+                raise ConfigError(f"parallel.pp_layers={list(pl)} has {len(pl)} stages but parallel.pp={self.pp}; "
+                                  f"give one layer count per stage")
+            self.pp_layers = list(pl)
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Decoder layers per pipeline stage; raises ConfigError when they do not add up."""
+        if self.pp_layers is not None:
+            if sum(self.pp_layers) != num_layers:
+                raise ConfigError(f"parallel.pp_layers={self.pp_layers} adds up to {sum(self.pp_layers)} layers but "
+                                  f"model.num_layers={num_layers}")
+            return list(self.pp_layers)
+        if num_layers % self.pp:
+            raise ConfigError(f"model.num_layers={num_layers} is not divisible by parallel.pp={self.pp}; set "
+                              f"parallel.pp_layers (a layer count per stage, adding up to {num_layers})")
+        return [num_layers // self.pp] * self.pp
 
     @property
     def model_parallel_size(self) -> int:
@@ -285,6 +311,7 @@ def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:
                           f"of it; tensor parallel sizes that fit: {valid}")
     if m.num_layers < p.pp:
         raise ConfigError(f"parallel.pp={p.pp} exceeds model.num_layers={m.num_layers}")
+    p.stage_layers(m.num_layers)
     if p.ep != 1:
         raise ConfigError(f"parallel.ep={p.ep}: the {m.family} family has no experts; use parallel.ep=1")
     if p.cp > 1:  # Gated DeltaNet runs on 1/(tp*cp) of its heads during capture (prompt_state/contexts.py)

@@ -21,8 +21,10 @@ def compare(a: Path, b: Path) -> dict:
     def rel(x, y):
         return abs(x - y) / max(abs(y), 1e-300)
 
-    lp = max((abs(x - y) for g1, g2 in zip(ra["logprobs"], rb["logprobs"]) for b1, b2 in zip(g1, g2)
-              for x, y in zip(b1, b2)), default=0.0)
+    if ra.get("skipped_groups") != rb.get("skipped_groups"):
+        raise SystemExit(f"skipped groups differ: {ra.get('skipped_groups')} vs {rb.get('skipped_groups')}")
+    lp = max((abs(x - y) for g1, g2 in zip(ra["logprobs"], rb["logprobs"]) if g1 is not None  # None: skipped
+              for b1, b2 in zip(g1, g2) for x, y in zip(b1, b2)), default=0.0)
     out = {"loss": rel(ra["loss"], rb["loss"]), "logprob_abs": lp, "grad_norm": rel(ra["grad_norm"], rb["grad_norm"])}
     if (a / "grads.safetensors").is_file() and (b / "grads.safetensors").is_file():
         ga, gb = load_file(str(a / "grads.safetensors")), load_file(str(b / "grads.safetensors"))

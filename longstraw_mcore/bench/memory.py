@@ -18,6 +18,15 @@ from typing import Callable
 import torch
 
 
+def peak_bytes(device: torch.device) -> int:
+    """The process's high-water mark so far: CUDA allocator peak, or on CPU the peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
 def measure_peak(fn: Callable[[], object], device: torch.device) -> tuple[object, int, str]:
     """Run `fn()`; return (its result, peak extra bytes, how it was measured)."""
     out, peak, _, how = measure_memory(fn, device)

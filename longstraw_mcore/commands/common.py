@@ -18,9 +18,14 @@ def rank0_print(msg: str) -> None:
         print(msg, flush=True)
 
 
-def launch_world_size() -> int | None:
-    """The world size torchrun announces (None for a plain one-process launch)."""
-    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+def launch_world_size() -> int:
+    """The world size of this launch, known before any process group: torchrun's (or an existing
+    group's), or 1 for a plain one-process launch."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else 1
 
 
 def load_run_config(args):

@@ -20,15 +20,11 @@ def check_run(cfg: RunConfig, cmd: str, world_size: int | None) -> int | None:
     if m.dtype == "float16":
         raise ConfigError("model.dtype=float16: runs use bfloat16, float32 or float64 (float16 needs loss scaling, "
                           "which this project does not do); pass model.dtype=bfloat16 to cast float16 weights on load")
-    if cmd in REPLAY_COMMANDS and p.pp != 1:
-        raise ConfigError(f"parallel.pp={p.pp}: `longstraw {cmd}` runs branch replay at pipeline size 1 for now; "
-                          "use tensor/data parallelism (parallel.pp=1)")
     if cmd == "train" and m.dtype == "float64" and cfg.train.grad_reduction == "step":
         raise ConfigError("model.dtype=float64: `longstraw train` with train.grad_reduction=step needs float32 or bfloat16 "
                           "(Megatron's optimizer and gradient clipping have no float64 path); use "
                           "train.grad_reduction=micro_step, or float64 in `longstraw validate`")
-    if p.pp > 1 and m.num_layers % p.pp:
-        raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.pp={p.pp}")
+    p.stage_layers(m.num_layers)  # the pipeline split adds up (RunConfig checked it; a mutated config too)
     return None if world_size is None else p.dp_for(world_size)
 
 

@@ -4,15 +4,10 @@ new machine or cluster."""
 
 from __future__ import annotations
 
-import resource
 import time
 
 from longstraw_mcore.commands.common import build_and_load, launch_world_size, load_run_config, rank0_print
 from longstraw_mcore.commands.preflight import check_run
-
-
-def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
 def run(args) -> int:
@@ -26,6 +21,7 @@ def run(args) -> int:
 
     t0 = time.perf_counter()
     par = setup_parallel(cfg)
+    from longstraw_mcore.bench.memory import peak_bytes
     from longstraw_mcore.loss.logprobs import vocab_parallel_logprobs
     from longstraw_mcore.parallel.reduce import all_reduce_sum, count_parameters, grad_norm
     from longstraw_mcore.pipeline import forward_backward
@@ -58,14 +54,6 @@ def run(args) -> int:
         loss = all_reduce_sum([float(out[0]["loss"])], par.pgs.dp, par.device)[0] / par.dp  # mean over replicas
         rank0_print(f"[smoke] step {step}/{args.steps}: loss {loss:.4f} (ln V = {math.log(m.vocab_size):.4f}), grad "
                     f"norm {gn:.4f}, {tokens_per_step} tokens in {dt:.2f} s ({tokens_per_step / dt:,.0f} tokens/s "
-                    f"fwd+bwd), peak {_peak(par.device):.2f} GiB/rank")
+                    f"fwd+bwd), peak {peak_bytes(par.device) / 2**30:.2f} GiB/rank")
     rank0_print("[smoke] done: forward + backward ran through Megatron's pipeline engine on every rank")
     return 0
-
-
-def _peak(device) -> float:
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return peak_rss_gib()

@@ -5,6 +5,7 @@ steps, --resume from the newest complete one. Every input is checked before any 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from longstraw_mcore.commands.common import (build_and_load, launch_world_size, load_run_config, rank0_print,
                                              reference_model)
@@ -38,8 +39,11 @@ def run(args) -> int:
         rank0_print(f"[train] step {trainer.step} >= --steps {args.steps}: nothing to do")
         return 0
     rank0_print(f"[train] {len(groups)} prompt groups, {cfg.train.groups_per_step} per step per data-parallel rank, "
-                f"mode {cfg.replay.mode}, objective {cfg.grpo.objective}, layout tp={par.tp} dp={par.dp}, "
+                f"mode {cfg.replay.mode}, objective {cfg.grpo.objective}, layout tp={par.tp} pp={par.pp} cp={par.cp} "
+                f"dp={par.dp}, "
                 f"steps {trainer.step + 1}..{args.steps}")
+    if args.metrics_out and par.rank == 0:
+        Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
     every = cfg.train.save_every
     while trainer.step < args.steps:
         m = trainer.run_step()

@@ -37,7 +37,8 @@ def run(args) -> int:
 
     from longstraw_mcore.parallel.reduce import grad_norm
     from longstraw_mcore.replay.group_step import process_group
-    from longstraw_mcore.train.trainer import peak_bytes, wrap_ddp
+    from longstraw_mcore.bench.memory import peak_bytes
+    from longstraw_mcore.train.trainer import wrap_ddp
 
     model = build_and_load(cfg, par, args.hf, args.load, "validate")
     ddp = wrap_ddp(model, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, distributed_optimizer=False)),
@@ -54,7 +55,7 @@ def run(args) -> int:
         for k, v in (st.seconds or {}).items():
             seconds[k] = seconds.get(k, 0.0) + v
         rank0_print(f"[validate] group {i}: loss {st.loss:.6g}, {st.tokens} response tokens, "
-                    f"state {st.state_bytes / 2**20:.3f} MiB")
+                    f"state {st.state_bytes / 2**20:.3f} MiB on rank 0")
     finalize_model_grads([ddp], pg_collection=par.pgs)
     gn = grad_norm(ddp.module, par)
     gathered = [None] * dist.get_world_size()
@@ -67,8 +68,10 @@ def run(args) -> int:
         dump_hf_tensors(ddp.module, cfg.model, out / "grads.safetensors", grads=True, log=rank0_print)
     if par.rank == 0:
         merged = {}
-        for res, _, _ in gathered:
-            merged.update(res)
+        for res, _, _ in gathered:  # state bytes differ by rank (TP heads, CP shares, pipeline stages): the largest
+            for i, r in res.items():
+                big = {k: max(r[k], merged[i][k]) for k in ("state_bytes", "ref_state_bytes")} if i in merged else {}
+                merged[i] = dict(r, **big)
         receipt = {
             "loss": sum(merged[i]["loss"] for i in range(n)) / n,
             "logprobs": [merged[i]["logprobs"] for i in range(n)],

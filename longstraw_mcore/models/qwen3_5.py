@@ -32,6 +32,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import Lang
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -60,6 +61,17 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, device: str) -> Transf
         # Mixed layer types: checkpoint keys per global layer (decoder.layers.{i}.*), never stacked.
         hetereogenous_dist_checkpoint=True,
     )
+    if p.pp > 1:
+        # Megatron's layout places the stages' layers (uneven splits too; layer numbers and checkpoint
+        # keys follow it), the embedding first and the output layer ("loss") last; branches and
+        # capture chunks differ in length, so the pipeline exchanges shapes (variable_seq_lengths)
+        stages = p.stage_layers(m.num_layers)
+        layout = [["decoder"] * n for n in stages]
+        layout[0].insert(0, "embedding")
+        layout[-1].append("loss")
+        # (Megatron refuses variable_seq_lengths with its default MoE dispatcher, even without experts)
+        kwargs.update(pipeline_model_parallel_layout=layout, variable_seq_lengths=True,
+                      moe_token_dispatcher_type="alltoall")
     if device == "cpu":
         kwargs.update(cpu_compat.cpu_config_overrides())
     return TransformerConfig(**kwargs)
@@ -86,10 +98,10 @@ def layer_spec(layer_type: str, m: ModelConfig) -> ModuleSpec:
     )
 
 
-def block_spec(m: ModelConfig, pp_rank: int, pp_size: int) -> TransformerBlockSubmodules:
-    """The layers this pipeline stage owns (contiguous, equal split), plus the final norm."""
-    per_stage = m.num_layers // pp_size
-    types = m.layer_types[pp_rank * per_stage:(pp_rank + 1) * per_stage]
+def block_spec(m: ModelConfig, pp_rank: int, stages: list[int]) -> TransformerBlockSubmodules:
+    """The layers this pipeline stage owns (contiguous; `stages`: layers per stage), plus the final norm."""
+    first = sum(stages[:pp_rank])
+    types = m.layer_types[first:first + stages[pp_rank]]
     return TransformerBlockSubmodules(layer_specs=[layer_spec(t, m) for t in types],
                                       layer_norm=ZeroCenteredRMSNorm)
 
@@ -114,7 +126,9 @@ class Qwen35HybridModel(ReplayModelMixin, LanguageModule):
             self.embedding = LanguageModelEmbedding(config=config, vocab_size=self.padded_vocab_size,
                                                     max_sequence_length=1, position_embedding_type="none",
                                                     tp_group=pg_collection.tp)
-        spec = block_spec(model_cfg, pg_collection.pp.rank(), pg_collection.pp.size())
+        stages = [model_cfg.num_layers] if config.pipeline_model_parallel_layout is None else \
+            [row[0].count(LayerType.decoder) for row in config.pipeline_model_parallel_layout.layout]
+        spec = block_spec(model_cfg, pg_collection.pp.rank(), stages)
         self.decoder = TransformerBlock(config=config, spec=spec, pre_process=pre_process,
                                         post_process=post_process, pg_collection=pg_collection)
         if post_process:
@@ -148,7 +162,7 @@ def build_model(model_cfg: ModelConfig, parallel, device: str) -> Qwen35HybridMo
     """Build this rank's part of the model (its pipeline stage, its TP shard) on `device`."""
     from longstraw_mcore.config import ParallelConfig as PC
 
-    pc = PC(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp)
+    pc = PC(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, pp_layers=getattr(parallel, "stage_layers", None))
     cfg = transformer_config(model_cfg, pc, device)
     model = Qwen35HybridModel(cfg, model_cfg, parallel.pgs, pre_process=parallel.is_first_stage,
                               post_process=parallel.is_last_stage)

@@ -75,12 +75,7 @@ class _MergedAttention(torch.autograd.Function):
             outs.append(o)
             lses.append(lse)
             kept.append(kp)
-        if len(sets) == 1:
-            out, lse = outs[0], lses[0]
-        else:
-            lse = torch.logsumexp(torch.stack(lses), dim=0)
-            safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-            out = sum(o * torch.exp(l - safe)[..., None] for o, l in zip(outs, lses))
+        out, lse = plain.merge_partials(list(zip(outs, lses)), None, plain.work_dtype(q.dtype), q.device)
         out = out.transpose(1, 2).to(q.dtype)                                     # [B,T,Hq,Dv]
         lse = lse.transpose(1, 2).contiguous()                                    # [B,T,Hq]
         # Stored probabilities are saved tensors too: freed by the backward unless retain_graph.

@@ -43,6 +43,19 @@ def backward_terms(dout, dlse, out, lse, work):
     return do, delta, lse.to(work).transpose(1, 2)
 
 
+def merge_partials(parts, shape, work, device):
+    """One softmax over several key sets from their partials (O_j [B,H,T,Dv], lse_j [B,H,T], work dtype),
+    no autograd: (O, lse); rows that see no key: O = 0, lse = -inf. `shape` is O's, for no parts."""
+    if not parts:
+        return (torch.zeros(shape, dtype=work, device=device),
+                torch.full(shape[:3], float("-inf"), dtype=work, device=device))
+    if len(parts) == 1:
+        return parts[0]
+    lse = torch.logsumexp(torch.stack([l for _, l in parts]), 0)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return sum(o * torch.exp(l - safe)[..., None] for o, l in parts), lse
+
+
 def _mask(T: int, nb: int, q_start: int, k0: int, device) -> torch.Tensor | None:
     """True where key (k0 + j) is *after* query (q_start + i); None when nothing is masked."""
     if k0 + nb - 1 <= q_start:

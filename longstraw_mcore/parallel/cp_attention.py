@@ -33,21 +33,9 @@ import torch
 import torch.distributed as dist
 
 from longstraw_mcore.ops.attention import KeySet, _kernel
-from longstraw_mcore.ops.block_attention import backward_terms, work_dtype
+from longstraw_mcore.ops.block_attention import backward_terms, merge_partials, work_dtype
 from longstraw_mcore.parallel.cp import CPLayout, rank_pieces
 from longstraw_mcore.parallel.cp_comm import all_reduce_sum, gather_tokens, local_rows
-
-
-def _merge_local(parts, shape, work, device):
-    """(O, lse) of one rank's partials [B,Hq,T,Dv] / [B,Hq,T]; rows without keys: O = 0, lse = -inf."""
-    if not parts:
-        return (torch.zeros(shape, dtype=work, device=device),
-                torch.full(shape[:3], float("-inf"), dtype=work, device=device))
-    if len(parts) == 1:
-        return parts[0]
-    lse = torch.logsumexp(torch.stack([l for _, l in parts]), 0)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return sum(o * torch.exp(l - safe)[..., None] for o, l in parts), lse
 
 
 def _merge_ranks(o, lse, layout):
@@ -75,7 +63,7 @@ class _ReplayAttention(torch.autograd.Function):
         active = [j for j, (_, _, _, shared) in enumerate(sets) if not shared or layout.rank == 0]
         parts = [kern.partial_forward(q, kv[2 * j], kv[2 * j + 1], q_start, sets[j][0], scale, block, False)[:2]
                  for j in active]
-        o, lse = _merge_local(parts, (B, Hq, T, kv[1].shape[-1]), work, q.device)
+        o, lse = merge_partials(parts, (B, Hq, T, kv[1].shape[-1]), work, q.device)
         out, lse = _merge_ranks(o, lse, layout)
         out = out.transpose(1, 2).to(q.dtype)
         lse = lse.transpose(1, 2).contiguous()
@@ -145,7 +133,7 @@ class _ChunkAttention(torch.autograd.Function):
                 o, l, _ = kern.partial_forward(Qf[:, a:b], Kf, Vf, s0 + a, s0, scale, block, False)
                 own_o[:, :, a:b], own_lse[:, :, a:b] = o, l
         parts.append((own_o, own_lse))
-        o, lse = _merge_local(parts, (B, Hq, T, Dv), work, q.device)
+        o, lse = merge_partials(parts, (B, Hq, T, Dv), work, q.device)
         O, LSE = _merge_ranks(o, lse, layout)                                    # [B,Hq,T,*], every row
         ctx.save_for_backward(q, k, v, O, LSE, *prior)
         ctx.cfg = cfg

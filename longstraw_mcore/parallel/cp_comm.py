@@ -45,16 +45,19 @@ def gather_tokens(x: torch.Tensor, layout: CPLayout, T: int) -> torch.Tensor:
     return out
 
 
-def all_reduce_sum(x: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+def all_reduce_sum(x: torch.Tensor, layout) -> torch.Tensor:
+    """In-place sum over `layout.group` (a CPLayout or a KV group); returns x (made contiguous)."""
     x = x.contiguous()
     dist.all_reduce(x, group=layout.group)
     return x
 
 
-def _gather_heads(x: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+def gather_dim(x: torch.Tensor, layout, dim: int = 2) -> torch.Tensor:
+    """Every rank's equal-shaped x, concatenated along `dim` in rank order (`layout`: anything with a
+    `.group` and `.size`: a CPLayout, a KV group)."""
     parts = [torch.empty_like(x) for _ in range(layout.size)]
     dist.all_gather(parts, x.contiguous(), group=layout.group)
-    return torch.cat(parts, 2)
+    return torch.cat(parts, dim)
 
 
 def _own_heads(x: torch.Tensor, layout: CPLayout) -> torch.Tensor:
@@ -73,7 +76,7 @@ class SeqToHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return local_rows(_gather_heads(g, ctx.layout), ctx.layout, ctx.T), None, None
+        return local_rows(gather_dim(g, ctx.layout), ctx.layout, ctx.T), None, None
 
 
 class HeadsToSeq(torch.autograd.Function):
@@ -82,7 +85,7 @@ class HeadsToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, layout: CPLayout, T: int):
         ctx.layout, ctx.T = layout, T
-        return local_rows(_gather_heads(x, layout), layout, T)
+        return local_rows(gather_dim(x, layout), layout, T)
 
     @staticmethod
     def backward(ctx, g):

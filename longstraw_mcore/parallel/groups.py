@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from longstraw_mcore import cpu_compat
-from longstraw_mcore.config import ConfigError, RunConfig
+from longstraw_mcore.config import RunConfig
 
 
 @dataclass
@@ -31,6 +31,7 @@ class Parallel:
     dp: int
     rank: int
     world_size: int
+    stage_layers: list | None = None  # decoder layers per pipeline stage (ParallelConfig.stage_layers)
 
     @property
     def tp_rank(self) -> int:
@@ -78,8 +79,7 @@ def setup_parallel(cfg: RunConfig) -> Parallel:
     world = dist.get_world_size()
     p = cfg.parallel
     dp = p.dp_for(world)
-    if p.pp > 1 and cfg.model.num_layers % p.pp:
-        raise ConfigError(f"model.num_layers={cfg.model.num_layers} is not divisible by parallel.pp={p.pp}")
+    stages = p.stage_layers(cfg.model.num_layers)  # before any group: the pipeline split adds up
 
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -96,7 +96,8 @@ def setup_parallel(cfg: RunConfig) -> Parallel:
 
     pgs.tp_kv = new_kv_groups(pgs.tp, cfg.model.num_key_value_heads)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    return Parallel(pgs=pgs, device=dev, tp=p.tp, pp=p.pp, cp=p.cp, dp=dp, rank=dist.get_rank(), world_size=world)
+    return Parallel(pgs=pgs, device=dev, tp=p.tp, pp=p.pp, cp=p.cp, dp=dp, rank=dist.get_rank(), world_size=world,
+                    stage_layers=stages)
 
 
 def teardown() -> None:

@@ -36,9 +36,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from longstraw_mcore.ops.attention import KeySet, _kernel
-from longstraw_mcore.ops.block_attention import backward_terms, work_dtype
+from longstraw_mcore.ops.block_attention import backward_terms, merge_partials, work_dtype
 from longstraw_mcore.ops.scale_grad import scale_grad
-from longstraw_mcore.parallel.cp_attention import _merge_local, _merge_ranks
+from longstraw_mcore.parallel.cp_attention import _merge_ranks
+from longstraw_mcore.parallel.cp_comm import all_reduce_sum, gather_dim
 
 
 @dataclass(frozen=True)
@@ -102,18 +103,6 @@ class KVGroupLinear(torch.nn.Module):
                                                      replica_id=(0, self.kv.rank, dp))}
 
 
-def _gather_heads(x: torch.Tensor, kv: KVGroup, dim: int) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(kv.size)]
-    dist.all_gather(parts, x.contiguous(), group=kv.group)
-    return torch.cat(parts, dim)
-
-
-def _all_reduce(x: torch.Tensor, kv: KVGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    x = x.contiguous()
-    dist.all_reduce(x, op=op, group=kv.group)
-    return x
-
-
 class _GroupAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, cfg, *kv_t):
@@ -125,27 +114,20 @@ class _GroupAttention(torch.autograd.Function):
         shard = [j for j, s in enumerate(sets) if not s[3]]
         rep = [j for j, s in enumerate(sets) if s[3]]
         Dv = kv_t[1].shape[-1]
-        o = torch.zeros(B, H, T, Dv, dtype=work, device=q.device)
-        lse = torch.full((B, H, T), float("-inf"), dtype=work, device=q.device)
         parts = []
         if shard:  # the whole group's query heads against this rank's shard of the state
-            qg = _gather_heads(q, kv, 2)
+            qg = gather_dim(q, kv, 2)
             parts += [kern.partial_forward(qg, kv_t[2 * j], kv_t[2 * j + 1], q_start, sets[j][0], scale, block,
                                            False)[:2] for j in shard]
+        # keys every rank of the group holds: its own heads only, in its slot of the group's heads
+        sl = slice(kv.rank * h, (kv.rank + 1) * h)
         own_o = torch.zeros(B, H, T, Dv, dtype=work, device=q.device)
         own_lse = torch.full((B, H, T), float("-inf"), dtype=work, device=q.device)
-        sl = slice(kv.rank * h, (kv.rank + 1) * h)
-        for j in rep:  # keys every rank of the group holds: its own heads only
-            oj, lj, _ = kern.partial_forward(q, kv_t[2 * j], kv_t[2 * j + 1], q_start, sets[j][0], scale, block, False)
-            if torch.isinf(own_lse[:, sl]).all():
-                own_o[:, sl], own_lse[:, sl] = oj, lj
-            else:
-                m = torch.logsumexp(torch.stack([own_lse[:, sl], lj]), 0)
-                safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-                own_o[:, sl] = own_o[:, sl] * torch.exp(own_lse[:, sl] - safe)[..., None] + oj * torch.exp(lj - safe)[..., None]
-                own_lse[:, sl] = m
+        own_o[:, sl], own_lse[:, sl] = merge_partials(
+            [kern.partial_forward(q, kv_t[2 * j], kv_t[2 * j + 1], q_start, sets[j][0], scale, block, False)[:2]
+             for j in rep], (B, h, T, Dv), work, q.device)
         parts.append((own_o, own_lse))
-        o, lse = _merge_local(parts, (B, H, T, Dv), work, q.device)
+        o, lse = merge_partials(parts, (B, H, T, Dv), work, q.device)
         if shard:  # merge the group's partials of every head
             o, lse = _merge_ranks(o, lse, kv)
         out = o[:, sl].transpose(1, 2).to(q.dtype)
@@ -167,8 +149,8 @@ class _GroupAttention(torch.autograd.Function):
         grads = [None] * (2 * n)
         shard = [j for j, s in enumerate(sets) if not s[3]]
         if shard:
-            qg = _gather_heads(q, kv, 2)
-            dog, deltag, lseg = (_gather_heads(x, kv, 1) for x in (do, delta, lse_h))
+            qg = gather_dim(q, kv, 2)
+            dog, deltag, lseg = (gather_dim(x, kv, 1) for x in (do, delta, lse_h))
             dqg = torch.zeros(qg.shape[0], qg.shape[2], qg.shape[1], qg.shape[3], dtype=work, device=q.device)
             for j in shard:
                 start, sink, sink_scale, _ = sets[j]
@@ -180,7 +162,7 @@ class _GroupAttention(torch.autograd.Function):
                 if dk is not None:
                     grads[2 * j], grads[2 * j + 1] = dk.transpose(1, 2), dv.transpose(1, 2)
             h = q.shape[2]
-            dq += _all_reduce(dqg, kv)[:, kv.rank * h:(kv.rank + 1) * h]
+            dq += all_reduce_sum(dqg, kv)[:, kv.rank * h:(kv.rank + 1) * h]
         for j, s in enumerate(sets):
             if not s[3]:
                 continue
@@ -188,7 +170,7 @@ class _GroupAttention(torch.autograd.Function):
                                                 scale, block, None, True, True, True)
             dq += dqj
             # keys replicated in the group: every replica gets the whole gradient
-            grads[2 * j], grads[2 * j + 1] = _all_reduce(dk, kv).transpose(1, 2), _all_reduce(dv, kv).transpose(1, 2)
+            grads[2 * j], grads[2 * j + 1] = all_reduce_sum(dk, kv).transpose(1, 2), all_reduce_sum(dv, kv).transpose(1, 2)
         grads = [None if g is None else g.to(kv_t[i].dtype) for i, g in enumerate(grads)]
         return (dq.transpose(1, 2).to(q.dtype) if ctx.needs_input_grad[0] else None, None, *grads)
 

@@ -48,8 +48,10 @@ class AttentionKV(LayerState):
         self.length = 0                                  # positions written so far (this rank's)
         self.global_end = 0                              # the prompt position the state reaches
         self.grad: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.produced: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.local_span = (0, 0)
+        # exact mode: chunk -> (recomputed K, V, their buffer rows, KV group: their positions); more
+        # than one chunk is in flight when a pipeline overlaps the recompute of chunk c-1 with the
+        # backward of chunk c
+        self.produced: dict = {}
 
     # --- capture: write this chunk's K/V, attend to everything up to its end -----------------------
     def capture_keys(self, k: torch.Tensor, v: torch.Tensor, local_offset: int, span: tuple[int, int],
@@ -103,40 +105,46 @@ class AttentionKV(LayerState):
                      torch.zeros(self.v.shape, dtype=dt, device=self.v.device))
 
     def release_grad(self) -> None:
-        self.grad, self.produced = None, None
+        self.grad, self.produced = None, {}
 
-    def recompute_keys(self, k: torch.Tensor, v: torch.Tensor, local_span: tuple[int, int], span: tuple[int, int],
-                       deposit_scale: float = 1.0) -> list[KeySet]:
+    def recompute_keys(self, k: torch.Tensor, v: torch.Tensor, chunk: int, local_span: tuple[int, int],
+                       span: tuple[int, int], deposit_scale: float = 1.0) -> list[KeySet]:
+        idx = None
         if self.kv is not None:  # this rank's rows of the chunk, and of the state before it
-            local_span, self.cur_idx = self.group_spans[tuple(span)]
+            local_span, idx = self.group_spans[tuple(span)]
         ls0, ls1 = local_span
         assert self.grad is not None and (self.kv is not None or k.shape[1] == ls1 - ls0), (k.shape, local_span)
-        self.produced, self.local_span = (k, v), local_span
+        self.produced[chunk] = (k, v, local_span, idx)
         own = KeySet(k, v, span[0])
         if ls0 == 0:
             return [own]
         return [KeySet(self.k[:, :ls0], self.v[:, :ls0], 0, grad=(self.grad[0][:, :ls0], self.grad[1][:, :ls0]),
                        grad_scale=deposit_scale, local=self.kv is not None), own]
 
-    def seeds(self, chunk: int):
-        assert self.produced is not None, "the recompute did not reach this layer"
-        ls0, ls1 = self.local_span
+    def outputs(self, chunk: int) -> list[torch.Tensor]:
+        assert chunk in self.produced, f"the recompute of chunk {chunk} did not reach this layer"
+        return list(self.produced[chunk][:2])
+
+    def seed_grads(self, chunk: int) -> list[torch.Tensor]:
+        """The accumulated gradient of the K/V chunk `chunk` recomputed: complete once every branch
+        and every later chunk has run its backward on this stage."""
+        k, v, (ls0, ls1), idx = self.produced[chunk]
         if self.kv is None:
-            return list(self.produced), [self.grad[0][:, ls0:ls1], self.grad[1][:, ls0:ls1]]
+            return [self.grad[0][:, ls0:ls1], self.grad[1][:, ls0:ls1]]
         # KV group: the chunk's K/V are replicated in the group; their gradient is every position's,
         # assembled from the group's shards
         import torch.distributed as dist
 
         seeds = []
-        for t, g in zip(self.produced, self.grad):
+        for t, g in zip((k, v), self.grad):
             full = torch.zeros(t.shape, dtype=g.dtype, device=g.device)
-            full.index_copy_(1, self.cur_idx, g[:, ls0:ls1])
+            full.index_copy_(1, idx, g[:, ls0:ls1])
             dist.all_reduce(full, group=self.kv.group)
             seeds.append(full)
-        return list(self.produced), seeds
+        return seeds
 
     def finish_chunk(self, chunk: int) -> None:
-        self.produced = None
+        self.produced.pop(chunk, None)
 
     # --- memory ----------------------------------------------------------------------------------
     def kept(self):

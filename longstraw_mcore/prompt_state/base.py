@@ -7,7 +7,7 @@ MLA latent, the DSA indexer keys, sequence-sharded K/V) owns, for one local laye
 - the capture write, the replay read and exact mode's recompute read/record, reached through the
   contexts in contexts.py (attention-like kinds answer `*_keys`, recurrent kinds `*_read/_write`);
 - exact mode's gradient accumulators (`enable_grad` / `release_grad`) and the injection of the
-  accumulated gradient into a chunk's recompute (`seeds`, then `finish_chunk`);
+  accumulated gradient into a chunk's recompute (`outputs`, `seed_grads`, then `finish_chunk`);
 - storage-true byte accounting: `kept()` names the tensors it keeps, `PromptState` counts their
   storages once each (a view that pins a larger buffer counts the whole buffer).
 Nothing outside a kind switches on layer type.
@@ -40,8 +40,14 @@ class LayerState:
     def release_grad(self) -> None:
         """After the prompt backward: the state gradient is spent."""
 
-    def seeds(self, chunk: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Exact mode: (tensors the recompute of `chunk` produced, their accumulated gradients)."""
+    def outputs(self, chunk: int) -> list[torch.Tensor]:
+        """Exact mode: the tensors the recompute of `chunk` produced (the state it rebuilds)."""
+        raise NotImplementedError
+
+    def seed_grads(self, chunk: int) -> list[torch.Tensor]:
+        """Exact mode: the accumulated gradients of `outputs(chunk)`, read when the chunk's backward
+        starts (every branch and every later chunk has deposited by then). Records are per chunk:
+        a pipeline stage may recompute chunk c-1 before it runs chunk c's backward."""
         raise NotImplementedError
 
     def finish_chunk(self, chunk: int) -> None:

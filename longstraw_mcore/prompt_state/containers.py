@@ -57,13 +57,12 @@ class PromptState:
         for st in self.layers.values():
             st.release_grad()
 
-    def seeds(self, chunk: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        outs, grads = [], []
-        for st in self.layers.values():
-            o, g = st.seeds(chunk)
-            outs += o
-            grads += g
-        return outs, grads
+    def outputs(self, chunk: int) -> list[torch.Tensor]:
+        return [t for st in self.layers.values() for t in st.outputs(chunk)]
+
+    def seed_grads(self, chunk: int) -> list[torch.Tensor]:
+        """In the order of `outputs(chunk)`; read at the chunk's backward (prompt_state/base.py)."""
+        return [g for st in self.layers.values() for g in st.seed_grads(chunk)]
 
     def finish_chunk(self, chunk: int) -> None:
         for st in self.layers.values():

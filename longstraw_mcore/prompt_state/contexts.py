@@ -142,10 +142,10 @@ class RecomputeContext(_ChunkBase):
         self.deposit_scale = 1.0 / (layout.size if layout is not None else 1)
 
     def key_sets(self, n: int, k, v):
-        return self.state.layers[n].recompute_keys(k, v, self.local_span, self.span, self.deposit_scale)
+        return self.state.layers[n].recompute_keys(k, v, self.chunk, self.local_span, self.span, self.deposit_scale)
 
     def read(self, n: int):
         return self.state.layers[n].recompute_read(self.chunk, self.deposit_scale)
 
     def write(self, n: int, new) -> None:
-        self.state.layers[n].recompute_write(new)
+        self.state.layers[n].recompute_write(self.chunk, new)

@@ -73,9 +73,9 @@ class GDNRecurrentState(LayerState):
         self.current: GDNState | None = None     # after the positions captured so far
         self.boundaries: list = []               # exact mode: the state entering chunk c (None for c = 0)
         self.leaves: GDNState | None = None      # exact mode: leaves over `current` during replay
-        self.entry: GDNState | None = None       # exact mode: leaves entering the chunk being recomputed
-        self.produced: GDNState | None = None
-        self.carried: GDNState | None = None     # gradient of the state leaving the chunk being recomputed
+        # exact mode, per chunk in flight (a pipeline recomputes chunk c-1 before chunk c's backward):
+        self.entry: dict = {}                    # chunk -> leaves of the state entering it (None for 0)
+        self.produced: dict = {}                 # chunk -> the state its recompute leaves
 
     # --- capture -----------------------------------------------------------------------------------
     def capture_read(self, chunk: int, keep_boundary: bool) -> GDNState | None:
@@ -109,33 +109,39 @@ class GDNRecurrentState(LayerState):
         self.leaves = None if self.current is None else _leaves(self.current)
 
     def release_grad(self) -> None:
-        self.leaves = self.entry = self.produced = self.carried = None
+        self.leaves, self.entry, self.produced = None, {}, {}
 
     def recompute_read(self, chunk: int, deposit_scale: float = 1.0) -> GDNState | None:
         self.deposit_scale = deposit_scale
-        if self.carried is None and self.leaves is not None:  # the last chunk: seeded by the replay's gradients
-            self.carried = _grads_or_zeros(self.leaves)
-            if self.layout is not None:
-                self.carried = _own_heads(self.carried, self.layout, self.channels)
         entering = self.boundaries[chunk]
-        self.entry = None if entering is None else _leaves(entering)
-        return None if self.entry is None else GDNState(conv=self.entry.conv.to(self.dtype),
-                                                        recurrent=self.entry.recurrent)
+        self.entry[chunk] = None if entering is None else _leaves(entering)
+        e = self.entry[chunk]
+        return None if e is None else GDNState(conv=e.conv.to(self.dtype), recurrent=e.recurrent)
 
-    def recompute_write(self, new: GDNState) -> None:
-        self.produced = new
+    def recompute_write(self, chunk: int, new: GDNState) -> None:
+        self.produced[chunk] = new
 
-    def seeds(self, chunk: int):
-        assert self.produced is not None and self.carried is not None, "the recompute did not reach this layer"
-        return [self.produced.conv, self.produced.recurrent], [self.carried.conv, self.carried.recurrent]
+    def outputs(self, chunk: int) -> list[torch.Tensor]:
+        assert chunk in self.produced, f"the recompute of chunk {chunk} did not reach this layer"
+        return [self.produced[chunk].conv, self.produced[chunk].recurrent]
+
+    def seed_grads(self, chunk: int) -> list[torch.Tensor]:
+        """The gradient of the state chunk `chunk` leaves: the replays' (last chunk) or what chunk
+        c+1's recompute deposited into its entering leaves, scaled as its seeds were (context
+        parallel: see contexts.py). Complete once those backwards ran on this stage."""
+        if chunk == len(self.boundaries) - 1:
+            carried = _grads_or_zeros(self.leaves)
+            if self.layout is not None:
+                carried = _own_heads(carried, self.layout, self.channels)
+            return [carried.conv, carried.recurrent]
+        carried = _grads_or_zeros(self.entry[chunk + 1])
+        if self.deposit_scale != 1.0:
+            carried = GDNState(conv=carried.conv * self.deposit_scale, recurrent=carried.recurrent * self.deposit_scale)
+        return [carried.conv, carried.recurrent]
 
     def finish_chunk(self, chunk: int) -> None:
-        # what the recompute deposited was scaled with its seeds (context parallel: see contexts.py)
-        carried = None if self.entry is None else _grads_or_zeros(self.entry)
-        if carried is not None and self.deposit_scale != 1.0:
-            carried = GDNState(conv=carried.conv * self.deposit_scale, recurrent=carried.recurrent * self.deposit_scale)
-        self.carried = carried
-        self.entry = self.produced = None
+        self.produced.pop(chunk, None)
+        self.entry.pop(chunk + 1, None)  # its gradient is now in chunk c's seeds
 
     # --- memory ------------------------------------------------------------------------------------
     def kept(self):
@@ -145,25 +151,25 @@ class GDNRecurrentState(LayerState):
 
     def grad_tensors(self):
         out = []
-        for st in (self.leaves, self.entry, self.carried):
+        for st in [self.leaves, *self.entry.values()]:
             if st is not None:
                 out += [st.conv, st.recurrent]
                 out += [t.grad for t in (st.conv, st.recurrent) if t.grad is not None]
         return out
 
     @staticmethod
-    def _per_layer(m, tp: int) -> int:
-        elt = torch.empty(0, dtype=m.torch_dtype).element_size()
-        selt = torch.empty(0, dtype=m.state_dtype).element_size()
+    def _elements(m, tp: int) -> tuple[int, int]:
+        """(conv window, recurrent state) elements of one layer on one TP rank."""
         ch = (2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim) // tp
-        return ((m.linear_conv_kernel_dim - 1) * ch * elt
-                + (m.linear_num_value_heads // tp) * m.linear_key_head_dim * m.linear_value_head_dim * selt)
+        return ((m.linear_conv_kernel_dim - 1) * ch,
+                (m.linear_num_value_heads // tp) * m.linear_key_head_dim * m.linear_value_head_dim)
 
     @classmethod
     def analytic_bytes(cls, m, tp: int, captured: int, exact_chunks: int, batch: int = 1, cp: int = 1) -> dict[str, int]:
         """The final state is whole on every rank; under context parallelism the chunk boundaries are
         head shards (1/cp each)."""
-        per = cls._per_layer(m, tp) * batch
+        conv, rec = cls._elements(m, tp)
+        per = (conv * _elt(m.torch_dtype) + rec * _elt(m.state_dtype)) * batch
         return {"gdn_state": per if captured > 0 else 0,
                 "gdn_chunk_boundaries": per // cp * max(exact_chunks - 1, 0)}
 
@@ -173,9 +179,10 @@ class GDNRecurrentState(LayerState):
         of the conv window when the model dtype is narrower."""
         if captured == 0:
             return 0
-        gelt = torch.empty(0, dtype=grad_dtype(m.torch_dtype)).element_size()
-        ch = (2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim) // tp
-        conv = (m.linear_conv_kernel_dim - 1) * ch
-        rec = (m.linear_num_value_heads // tp) * m.linear_key_head_dim * m.linear_value_head_dim
+        conv, rec = cls._elements(m, tp)
         copies = conv if grad_dtype(m.torch_dtype) != m.torch_dtype else 0
-        return (conv + rec + copies) * gelt
+        return (conv + rec + copies) * _elt(grad_dtype(m.torch_dtype))
+
+
+def _elt(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()

@@ -13,9 +13,10 @@
 detached = sum_b dL_b/dtheta with the state held constant (LongStraw's truncated gradient);
 exact    = dL/dtheta including (sum_b dL_b/dS) dS/dtheta, i.e. full-sequence GRPO.
 The engine reaches the model only through `models/replay_interface.py` and the state only through
-its kinds (prompt_state/); runs at pipeline size 1, any TP and CP (under context parallelism a
-rank captures and recomputes its zig-zag share of every chunk and replays every branch whole:
-prompt_state/contexts.py). The objective is per-branch terms.
+its kinds (prompt_state/); any TP and CP (under context parallelism a rank captures and recomputes
+its zig-zag share of every chunk and replays every branch whole: prompt_state/contexts.py). With
+pipeline stages the same plan runs through Megatron's pipeline engine (replay/stages.py). The
+objective is per-branch terms.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from longstraw_mcore.prompt_state.contexts import CaptureContext, RecomputeConte
 from longstraw_mcore.replay.plan import Step, chunk_spans, plan_group, replay_steps
 
 __all__ = ["ReplayConfig", "BranchResult", "capture", "replay_branches", "run_group", "score_group", "make_leaves",
-           "attention_probs_bytes", "stores_attention_probs", "execute"]
+           "stores_attention_probs", "execute"]
 
 
 def _core(model):
@@ -49,14 +50,6 @@ class BranchResult:
 
 
 BranchLoss = Callable[[int, torch.Tensor], tuple[torch.Tensor, dict]]
-
-
-def attention_probs_bytes(local_q_heads: list[int], batch: int, tokens: int, prompt_len: int,
-                          dtype: torch.dtype) -> int:
-    """Bytes a branch (batch x tokens) keeps when it stores its probabilities over `prompt_len`
-    cached positions in each local attention layer (`local_q_heads` per layer; float32, or float64)."""
-    item = 8 if dtype == torch.float64 else 4
-    return sum(local_q_heads) * batch * tokens * prompt_len * item
 
 
 def stores_attention_probs(model, captured: int, cfg: ReplayConfig, batch: int, tokens: int) -> bool:
@@ -82,29 +75,46 @@ class _Group:
     cfg: ReplayConfig
 
 
-def _replay(core, state: PromptState, step: Step, g: _Group, device, layout) -> dict[int, BranchResult]:
-    grad = g.loss_fn is not None
-    bs = step.branches
+def branch_batch(g: _Group, bs: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets [len(bs), R] of a replay micro-step, right-padded (causal: pads never reach
+    real positions)."""
     R = max(len(g.responses[b]) for b in bs)
     ids = torch.zeros(len(bs), R, dtype=torch.long, device=device)
     tgt = torch.zeros(len(bs), R, dtype=torch.long, device=device)
-    for i, b in enumerate(bs):  # right padding: causal, so pads never reach real positions
+    for i, b in enumerate(bs):
         r = g.responses[b]
         ids[i, :len(r)] = torch.tensor([g.prompt_last] + r[:-1], device=device)
         tgt[i, :len(r)] = torch.tensor(r, device=device)
-    out = {}
+    return ids, tgt
+
+
+def replay_context(core, state: PromptState, step: Step, g: _Group, layout, grad: bool) -> ReplayContext:
+    R = max(len(g.responses[b]) for b in step.branches)
+    store = grad and stores_attention_probs(core, state.length, g.cfg, len(step.branches), R)
+    return ReplayContext(state, batch=len(step.branches), store_probs=store, layout=layout)
+
+
+def branch_losses(core, hidden: torch.Tensor, tgt: torch.Tensor, step: Step, g: _Group):
+    """Per-token log-probs of the micro-step's branches from the last layer's output, and (with a
+    loss function) the sum of their loss terms: (total or None, {branch: BranchResult})."""
+    logp = core.token_logprobs(hidden, tgt, g.cfg.logprob_chunk)
+    total, out = None, {}
+    for i, b in enumerate(step.branches):
+        lp = logp[i, :len(g.responses[b])]
+        stats = {}
+        if g.loss_fn is not None:
+            loss, stats = g.loss_fn(b, lp)
+            total = loss if total is None else total + loss
+        out[b] = BranchResult(lp.detach(), stats)
+    return total, out
+
+
+def _replay(core, state: PromptState, step: Step, g: _Group, device, layout) -> dict[int, BranchResult]:
+    grad = g.loss_fn is not None
+    ids, tgt = branch_batch(g, step.branches, device)
     with torch.set_grad_enabled(grad):
-        store = grad and stores_attention_probs(core, state.length, g.cfg, len(bs), R)
-        hidden = core.forward_hidden(ids, ReplayContext(state, batch=len(bs), store_probs=store, layout=layout))
-        logp = core.token_logprobs(hidden, tgt, g.cfg.logprob_chunk)
-        total = None
-        for i, b in enumerate(bs):
-            lp = logp[i, :len(g.responses[b])]
-            stats = {}
-            if grad:
-                loss, stats = g.loss_fn(b, lp)
-                total = loss if total is None else total + loss
-            out[b] = BranchResult(lp.detach(), stats)
+        hidden = core.forward_hidden(ids, replay_context(core, state, step, g, layout, grad))
+        total, out = branch_losses(core, hidden, tgt, step, g)
         if grad:
             total.backward()  # frees this micro-step's graph (its scratch) before the next one
     return out
@@ -129,11 +139,42 @@ def _chunk_ids(g: _Group, span: tuple[int, int], layout: CPLayout | None) -> tor
 def _prompt_backward(core, state: PromptState, step: Step, g: _Group, layout: CPLayout | None) -> None:
     with torch.enable_grad():
         core.forward_state(_chunk_ids(g, step.span, layout), RecomputeContext(state, step.index, layout))
-    outs, grads = state.seeds(step.index)
-    if layout is not None:  # each rank recomputes 1/n of the chunk's tokens: see prompt_state/contexts.py
-        grads = [x * layout.size for x in grads]
-    torch.autograd.backward(outs, grads)
+    torch.autograd.backward(state.outputs(step.index), chunk_seeds(state, step.index, layout))
     state.finish_chunk(step.index)
+
+
+def chunk_seeds(state: PromptState, chunk: int, layout: CPLayout | None) -> list[torch.Tensor]:
+    """The gradients a chunk's recompute is seeded with (scaled by CP: each rank recomputes 1/n of the
+    chunk's tokens, see prompt_state/contexts.py)."""
+    grads = state.seed_grads(chunk)
+    return grads if layout is None else [x * layout.size for x in grads]
+
+
+def capture_chunk(core, state: PromptState, step: Step, g: _Group, layout: CPLayout | None, keep: bool):
+    """One capture step on this rank's layers: record the chunk's bounds, run it without autograd
+    (under CP this rank's pieces of it); returns the output of this rank's last layer."""
+    s0, s1 = step.span
+    cp, rank = (layout.size, layout.rank) if layout is not None else (1, 0)
+    ls0 = state.local_bounds[-1][1] if state.local_bounds else 0
+    state.chunk_bounds.append(step.span)
+    state.local_bounds.append((ls0, ls0 + local_count(s1 - s0, cp, rank)))
+    with torch.no_grad():
+        out = core.forward_hidden(_chunk_ids(g, step.span, layout), CaptureContext(state, step.index, keep, layout))
+    state.length = s1
+    return out
+
+
+def new_state(core, plan: list[Step], g: _Group, layout: CPLayout | None) -> PromptState:
+    """This rank's empty state for the plan's capture chunks (its layers; under CP its share)."""
+    cp, rank = (layout.size, layout.rank) if layout is not None else (1, 0)
+    if layout is not None and 0 < g.prefix.shape[1] < cp:
+        raise ValueError(f"a prompt of {g.prefix.shape[1] + 1} tokens is too short for {cp} context-parallel "
+                         f"ranks (each needs at least one of the prompt[:-1] positions)")
+    spans = [st.span for st in plan if st.phase == "capture"]
+    local = sum(local_count(e - s, cp, rank) for s, e in spans)
+    device = next(core.parameters()).device
+    return allocate(core.model_cfg, core.state_layers(), core.tp_size, local, device,
+                    kv=getattr(core.pg_collection, "tp_kv", None), spans=spans)
 
 
 def execute(model, plan: list[Step], g: _Group, state: PromptState | None = None, state_grad: bool = False):
@@ -143,28 +184,19 @@ def execute(model, plan: list[Step], g: _Group, state: PromptState | None = None
     core = _core(model)
     device = next(core.parameters()).device
     layout = CPLayout.of(core.cp_group)
-    cp, rank = (layout.size, layout.rank) if layout is not None else (1, 0)
+    if state is None:
+        state = new_state(core, plan, g, layout)
+    if core.pg_collection.pp.size() > 1:  # the same plan through Megatron's pipeline engine
+        from longstraw_mcore.replay.stages import execute_stages
+
+        return execute_stages(model, plan, g, state, state_grad, layout)
     seconds: dict[str, float] = {}
     results: dict[int, BranchResult] = {}
-    if state is None:
-        if layout is not None and 0 < g.prefix.shape[1] < cp:
-            raise ValueError(f"a prompt of {g.prefix.shape[1] + 1} tokens is too short for {cp} context-parallel "
-                             f"ranks (each needs at least one of the prompt[:-1] positions)")
-        spans = [st.span for st in plan if st.phase == "capture"]
-        local = sum(local_count(e - s, cp, rank) for s, e in spans)
-        state = allocate(core.model_cfg, core.state_layers(), core.tp_size, local, device,
-                         kv=getattr(core.pg_collection, "tp_kv", None), spans=spans)
     keep = g.cfg.mode == "exact"  # GDN kinds record the state entering each chunk for its recompute
     for i, step in enumerate(plan):
         t0 = time.perf_counter()
         if step.phase == "capture":
-            s0, s1 = step.span
-            ls0 = state.local_bounds[-1][1] if state.local_bounds else 0
-            state.chunk_bounds.append(step.span)
-            state.local_bounds.append((ls0, ls0 + local_count(s1 - s0, cp, rank)))
-            with torch.no_grad():
-                core.forward_hidden(_chunk_ids(g, step.span, layout), CaptureContext(state, step.index, keep, layout))
-            state.length = s1
+            capture_chunk(core, state, step, g, layout, keep)
             if i + 1 == len(plan) or plan[i + 1].phase != "capture":
                 state.finish_capture(layout)
         elif step.phase == "replay":

@@ -14,8 +14,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch
-
 from longstraw_mcore.config import GRPOConfig, ReplayConfig
 from longstraw_mcore.data.rollouts import RolloutGroup
 from longstraw_mcore.loss import dpo
@@ -37,11 +35,12 @@ class GroupStats:
     seconds: dict | None = None
 
 
-def _scaled(fn, scale: float, sink: list):
+def _scaled(fn, scale: float):
+    """The loss term times `scale`; its stats carry the unscaled value (they reach every pipeline
+    stage with the branch results, while the loss itself is computed on the last stage only)."""
     def loss_fn(b, logp):
         loss, stats = fn(b, logp)
-        sink.append((float(loss.detach()), stats))
-        return loss * scale, stats
+        return loss * scale, dict(stats, loss=float(loss.detach()))
 
     return loss_fn
 
@@ -81,13 +80,13 @@ def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConf
                                  old_logprobs=group.old_logprobs, ref_logprobs=[lp.tolist() for lp in ref_lps])
         fn = group_loss_fn(group, gcfg, adv)
         loss = None
-    sink: list = []
-    results, state, seconds = run_group(model, group.prompt, group.responses, _scaled(fn, scale, sink), rcfg, tp,
+    results, state, seconds = run_group(model, group.prompt, group.responses, _scaled(fn, scale), rcfg, tp,
                                         timed=True)
-    stats.loss = loss if loss is not None else sum(x for x, _ in sink)
-    stats.tokens = sum(s["tokens"] for _, s in sink)
-    stats.clipped = sum(s["clipped"] for _, s in sink)
-    stats.kl_sum = sum(s["kl_sum"] for _, s in sink)
+    per = [r.stats for r in results]
+    stats.loss = loss if loss is not None else sum(s["loss"] for s in per)
+    stats.tokens = sum(s["tokens"] for s in per)
+    stats.clipped = sum(s["clipped"] for s in per)
+    stats.kl_sum = sum(s["kl_sum"] for s in per)
     stats.state_bytes, stats.ref_state_bytes = state.nbytes(), ref_state_bytes
     stats.logprobs = [r.logprobs.tolist() for r in results]
     seconds["total"] = time.perf_counter() - t0

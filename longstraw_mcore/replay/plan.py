@@ -17,8 +17,9 @@ three branches and exact mode:
     8     prompt_backward  0      [0, 4)             the state gradient accumulated so far
 
 Detached mode stops after the replay steps; scoring (no autograd) is a plan of replay steps alone
-against a state captured before. A stage of a pipeline (a later issue) runs the same steps on its
-own layers: nothing in a step depends on which layers execute it.
+against a state captured before. Each pipeline stage runs the same steps on its own layers (nothing
+in a step depends on which layers execute it): replay/stages.py feeds them to Megatron's pipeline
+engine as micro-batches.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from longstraw_mcore.checkpoint.dist_ckpt import CONFIG_FILE, load_checkpoint, meta_dict, write_model_shards
 from longstraw_mcore.checkpoint.common import CheckpointError
-from longstraw_mcore.train.checkpoint_dirs import (MANIFEST, POINTS, clean_unpublished, published_steps, step_dir,
-                                                   verify, write_manifest)
+from longstraw_mcore.train.checkpoint_dirs import POINTS  # noqa: F401 - re-exported (the publication points)
+from longstraw_mcore.train.checkpoint_dirs import clean_unpublished, published_steps, step_dir, verify, write_manifest
 
 def save_step(root: str | Path, step: int, model, torch_optimizers: list, model_cfg, layout: dict, history: list,
               extra: dict, fault: Callable[[str], None] | None = None, rank_extra: dict | None = None) -> Path:

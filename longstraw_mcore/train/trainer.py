@@ -16,9 +16,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
+from longstraw_mcore.bench.memory import peak_bytes
 from longstraw_mcore.checkpoint.dist_ckpt import read_checkpoint_meta
 from longstraw_mcore.config import ConfigError, RunConfig
 from longstraw_mcore.data.rollouts import RolloutGroup
@@ -31,15 +29,6 @@ def group_index(step: int, dp_rank: int, i: int, dp: int, groups_per_step: int, 
     """Which rollout group rank `dp_rank` trains on in (1-based) `step`, slot `i`: a fixed order, so a
     resumed run sees exactly the groups the uninterrupted run would have."""
     return ((step - 1) * dp * groups_per_step + dp_rank * groups_per_step + i) % n_groups
-
-
-def peak_bytes(device: torch.device) -> int:
-    """CUDA: the allocator's peak; CPU: the process's peak resident set size."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def build_training(model, cfg: RunConfig, par):

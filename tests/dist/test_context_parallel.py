@@ -18,7 +18,7 @@ CP=4, TP=2 x CP=2, DP=2 x CP=2 (4 ranks). Capture: each rank's K/V placed at the
 equal the single-rank state (<= 1e-12), the GDN final state too, and per-rank K/V bytes sum to the
 single-rank bytes (exactly half per rank at CP=2 when chunks are divisible by 2 x CP). Memory: the
 peak of an exact-mode group step at CP=2 grows from G=2 to G=8 by less than one branch's scratch
-(CPU allocator totals; gloo frees a few collective buffers asynchronously, hence the tolerance). Not covered: pipeline parallelism with CP (replay runs at pp=1), CUDA/NCCL.
+(CPU allocator totals; gloo frees a few collective buffers asynchronously, hence the tolerance). PP x CP: tests/dist/test_pipeline.py. Not covered: CUDA/NCCL.
 """
 
 from __future__ import annotations
@@ -119,15 +119,13 @@ def _compare(ref, got):
 
 def _memory(m, full):
     """CP=2: per-rank K/V bytes with chunks divisible by 2 x CP, and the peak of a group step at G=2, 8."""
-    from longstraw_mcore.bench.memory import measure_memory
+    from group_peaks import group_peaks
+
     from longstraw_mcore.checkpoint.full_state import load_full
-    from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig
-    from longstraw_mcore.data.rollouts import RolloutGroup
+    from longstraw_mcore.config import ParallelConfig, ReplayConfig, RunConfig
     from longstraw_mcore.models.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
-    from longstraw_mcore.loss.grpo import advantages, group_loss_fn
-    from longstraw_mcore.replay.engine import capture, make_leaves, replay_branches
-    from longstraw_mcore.replay.group_step import process_group
+    from longstraw_mcore.replay.engine import capture
 
     out = {}
     gen = torch.Generator().manual_seed(9)
@@ -138,22 +136,7 @@ def _memory(m, full):
         load_full(model, full)
         st = capture(model, torch.tensor([prompt[:-1]]), ReplayConfig(chunk_len=64))
         out[f"kv_bytes_cp{cp}"] = st.nbytes_by_type()["attention_kv"]
-    rcfg = ReplayConfig(mode="exact", chunk_len=64)
-    peaks = {}
-    for G in (2, 8):
-        grp = RolloutGroup(prompt=prompt, responses=[torch.randint(0, m.vocab_size, (6,), generator=gen).tolist()
-                                                     for _ in range(G)], rewards=[float(i % 3) for i in range(G)])
-        process_group(model, grp, rcfg, GRPOConfig(), 1)  # warm: parameter gradients exist
-        # gloo frees some collective buffers asynchronously: the lower of two measurements
-        peaks[G] = min(measure_memory(lambda: process_group(model, grp, rcfg, GRPOConfig(), 1), par.device)[1]
-                       for _ in range(2))
-    # one branch's scratch: replaying one more branch against a captured state
-    fn = group_loss_fn(grp, GRPOConfig(), advantages(grp.rewards, GRPOConfig()))
-    state = make_leaves(capture(model, torch.tensor([prompt[:-1]]), rcfg))
-    replay_branches(model, state, prompt[-1], grp.responses, [0], fn, rcfg)
-    out["scratch"] = measure_memory(lambda: replay_branches(model, state, prompt[-1], grp.responses, [1], fn, rcfg),
-                                    par.device)[1]
-    out["peaks"] = peaks
+    out.update(group_peaks(model, m, par.device, prompt, gen))
     return out
 
 

@@ -14,18 +14,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-
-def _torchrun(n, *args):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-                           "-m", "longstraw_mcore", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+from torchrun import longstraw as _torchrun  # noqa: E402
 
 
 def test_train_dp2_cp2_resume_and_validate_cp2(tmp_path):
@@ -41,7 +35,7 @@ def test_train_dp2_cp2_resume_and_validate_cp2(tmp_path):
     ckpt, full, resumed = tmp_path / "ckpt", tmp_path / "full.jsonl", tmp_path / "resumed.jsonl"
     r = _torchrun(4, "train", *common, "--steps", "10", "--save", str(ckpt), "--metrics-out", str(full))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "layout tp=1 dp=2" in r.stdout
+    assert "layout tp=1 pp=1 cp=2 dp=2" in r.stdout
     shutil.rmtree(ckpt / "step_000010")
     (ckpt / "latest").write_text("step_000005")
     r = _torchrun(4, "train", *common, "--steps", "10", "--save", str(ckpt), "--resume", "--metrics-out", str(resumed))

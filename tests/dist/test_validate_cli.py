@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import torch
 
 from longstraw_mcore.launch_local import run_ranks
+from torchrun import longstraw
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -59,11 +59,8 @@ def test_validate_receipt_and_grads(tmp_path):
     hf_dir, rollouts, out = tmp_path / "hf", tmp_path / "r.jsonl", tmp_path / "out"
     build_hf_model(m, seed=9).save_pretrained(hf_dir)
     write_rollouts(rollouts, make_groups(m.vocab_size, 3, 26, 3, 6, seed=4))
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "longstraw_mcore", "validate", "--hf", str(hf_dir), "--rollouts", str(rollouts),
-                        "--out", str(out), "--mode", "exact", "--dump-grads", "parallel.tp=2", "device=cpu",
-                        "replay.chunk_len=7"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = longstraw(2, "validate", "--hf", str(hf_dir), "--rollouts", str(rollouts), "--out", str(out), "--mode", "exact",
+                  "--dump-grads", "parallel.tp=2", "device=cpu", "replay.chunk_len=7", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     receipt = json.loads((out / "receipt.json").read_text())
     for key in ("loss", "logprobs", "grad_norm", "mode", "layout", "peak_bytes_per_rank", "seconds"):

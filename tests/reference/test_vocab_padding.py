@@ -54,7 +54,6 @@ def _worker(rank, world_size, tmpdir):
         ref_logits = hf(input_ids=ids).logits
     (ref_logits * probe).sum().backward()
     ref_grads = hf_to_mcore({n: p.grad for n, p in hf.named_parameters()}, m)
-    full = hf_to_mcore(hf_state(hf), m)
     group = make_group(m, 17, [5, 2, 6], seed=8)
     out = {}
     for tp in (1, 2):

@@ -9,8 +9,6 @@ be far smaller than the truncation the detached mode makes."""
 
 from __future__ import annotations
 
-import torch
-
 from longstraw_mcore.launch_local import run_ranks
 
 
