@@ -145,6 +145,22 @@ def _moe_split_sizes_patch() -> None:
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+def _new_empty_patch() -> None:
+    """tensor_parallel/mappings.py:444 `_AllToAll` (the expert-parallel dispatch, forward and, through
+    its backward, the gradient) allocates with `new_empty(..., device=torch.cuda.current_device())`.
+    The redirect mode cannot reach the backward: autograd runs Python Functions' backward with torch
+    function modes off (measured on torch 2.11), so `Tensor.new_empty` itself maps CUDA to CPU."""
+    orig = torch.Tensor.new_empty
+
+    def new_empty(self, *size, **kwargs):
+        dev = kwargs.get("device")
+        if dev is not None and _is_cuda_device(dev):
+            kwargs["device"] = torch.device("cpu")
+        return orig(self, *size, **kwargs)
+
+    torch.Tensor.new_empty = new_empty
+
+
 def enable(device: str) -> bool:
     """Apply the CPU patches if `device == "cpu"`; return whether they are active.
 
@@ -170,6 +186,7 @@ def enable(device: str) -> bool:
         torch.cuda.empty_cache = lambda: None
         _cpu_rng_tracker_patches()
         _moe_split_sizes_patch()
+        _new_empty_patch()
         _MODE = _CudaToCpuMode()
         _MODE.__enter__()  # process-wide: the mode stays on the stack for the life of the process
         _ENABLED = True

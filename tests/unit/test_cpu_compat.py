@@ -42,6 +42,19 @@ def _cpu_worker(rank, world_size):
     checks["moe_split_sizes_numpy"] = isinstance(split, np.ndarray) and split.tolist() == [1, 2]
     checks["causal_mask_site"] = get_default_causal_mask(4).device.type == "cpu"  # transformer/utils.py:39
     checks["rotary_site"] = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(5).device.type == "cpu"
+
+    class _Alloc(torch.autograd.Function):  # tensor_parallel/mappings.py:444, reached from a backward
+        @staticmethod
+        def forward(ctx, t):
+            return t * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.new_empty(size=[3], device=torch.cuda.current_device()).fill_(1.0)
+
+    t = torch.zeros(3, requires_grad=True)
+    _Alloc.apply(t).sum().backward()  # autograd runs this backward with torch function modes off
+    checks["new_empty_in_backward"] = t.grad.device.type == "cpu" and bool((t.grad == 1).all())
     parallel_state.destroy_model_parallel()
     return checks
 
@@ -66,7 +79,7 @@ def test_cpu_patches_each_call_site():
     checks = run_ranks(_cpu_worker, 1, timeout_s=300)[0]
     failed = [k for k, ok in checks.items() if not ok]
     assert not failed, failed
-    assert len(checks) == 12
+    assert len(checks) == 13
 
 
 def test_nothing_patched_for_cuda_device():

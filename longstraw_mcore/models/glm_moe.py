@@ -1,0 +1,48 @@
+"""GLM-5.2's mixture of experts on Megatron's `MoELayer` (no fork): the TransformerConfig fields that
+make Megatron's router and experts compute what `GlmMoeDsaMoE` computes, and the layer builder.
+
+GLM-5.2 (Hugging Face `GlmMoeDsaTopkRouter` / `GlmMoeDsaMoE`): router logits x W^T, scores =
+sigmoid(logits); experts chosen by the top-k of scores + a score-correction bias (aux-loss-free
+balancing: the bias steers the choice only), the chosen scores normalised to sum 1 (+1e-20) and
+scaled by `routed_scaling_factor` (2.5); SwiGLU experts; one shared SwiGLU expert of
+moe_intermediate_size x n_shared_experts added to every token; n_group = topk_group = 1 (no group
+limit). Megatron's `topk_routing_with_score_function` with score function "sigmoid", the expert
+bias and the scaling factor computes the same, and its `_build_shared_experts` adds the shared
+expert. Token dispatcher: `alltoall` (runs on CPU/gloo with the patches in cpu_compat.py, and on
+CUDA; `allgather` refuses the variable sequence lengths branch replay and pipelines need).
+
+The expert bias is a buffer in float32 (Megatron keeps it so); it is loaded from the checkpoint's
+`e_score_correction_bias` and not updated here (moe_router_bias_update_rate=0): a policy-gradient
+step should not move the routing balance behind the optimizer's back. Megatron's router computes
+the sigmoid scores in float32 (`logits.float()`), also in a float64 model.
+"""
+
+from __future__ import annotations
+
+
+def moe_config_kwargs(num_experts: int, topk: int, moe_ffn_hidden_size: int, n_shared_experts: int,
+                      routed_scaling_factor: float, n_group: int = 1, topk_group: int = 1,
+                      router_dtype: str = "fp32") -> dict:
+    """TransformerConfig fields for GLM-5.2's MoE layers (dense layers need none). `router_dtype`: the
+    router's logits ("fp32" as GLM-5.2 computes them; "fp64" for float64 validation runs)."""
+    if num_experts < 1 or not 1 <= topk <= num_experts:
+        raise ValueError(f"n_routed_experts={num_experts}, num_experts_per_tok={topk}: need 1 <= top-k <= experts")
+    if n_group != 1 or topk_group != 1:
+        raise ValueError(f"n_group={n_group}, topk_group={topk_group}: only the ungrouped router (1, 1) of "
+                         "GLM-5.x is supported")
+    return dict(
+        num_moe_experts=num_experts, moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=moe_ffn_hidden_size * n_shared_experts if n_shared_experts else None,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
+        moe_router_topk_scaling_factor=routed_scaling_factor, moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
+        moe_router_dtype=router_dtype,
+    )
+
+
+def moe_layer_builder(num_experts: int):
+    """Megatron's MoE layer (router, local SequentialMLP experts, shared expert), plain-torch modules:
+    `builder(config=..., layer_number=..., pg_collection=...)`, or the `mlp` of a TransformerLayer spec."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    return get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)

@@ -1,0 +1,83 @@
+"""DeepSeek Sparse Attention over MLA latents (GLM-5.2), plain torch: the reference path.
+
+Legend: B batch, S queries, T keys, H attention heads, Hi indexer heads, Di indexer head dim,
+R kv_lora_rank (the latent), Dn / Dr / Dv the no-RoPE / RoPE / value head dims, k the top-k.
+
+    indexer_scores   I[s, t] = sum_h w[s, h] ReLU(q[s, h] . key[t]) Di^-0.5 over the keys a query sees
+                     (t at or before it), -inf elsewhere; in >= float32
+    select_topk      the k best keys per query with a deterministic tie-break: a higher score first,
+                     among equal scores the earlier position. `torch.topk`'s order among ties depends on
+                     the tensor's shape, and the indexer's ReLU makes exact-zero scores common, so
+                     without it the selection (and its gradient) would change with the layout or the
+                     sequence length. Slots beyond a query's visible keys are marked invalid.
+    mla_sparse       attention of the queries to their selected keys in absorbed form: the per-head
+                     key/value up-projections (kv_b_proj: W_UK [H, Dn, R], W_UV [H, Dv, R]) are folded
+                     into the query and the output, so only the latent c_kv [B, T, R] and the shared
+                     RoPE key k_pe [B, T, Dr] are read: the expanded per-head K/V of the prompt (what a
+                     Hugging Face cache builds, H (Dn + Dr + Dv) / (R + Dr) times larger: 57x for GLM-5.2,
+                     64 x 512 / 576) never exists.
+
+The selection is not differentiable (the indexer gets no policy gradient, as in the reference
+implementation); mla_sparse is, through plain autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate the last dim of x [B, T, (H,) Dr] in interleaved pairs (x0, x1), (x2, x3), ... (one
+    frequency per pair) and return it de-interleaved, [rotated evens | rotated odds], as DeepSeek/GLM
+    checkpoints lay it out; queries and keys both take this layout, so their dot products are the
+    interleaved rotation's."""
+    d = x.shape[-1]
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=work, device=x.device) / d))
+    ang = positions.to(work)[:, None] * inv_freq[None, :]                       # [T, Dr/2]
+    shape = (1, x.shape[1]) + (1,) * (x.dim() - 3) + (d // 2,)
+    cos, sin = ang.cos().to(x.dtype).view(shape), ang.sin().to(x.dtype).view(shape)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def indexer_scores(q: torch.Tensor, key: torch.Tensor, weights: torch.Tensor, q_pos: torch.Tensor,
+                   k_pos: torch.Tensor) -> torch.Tensor:
+    """q [B, S, Hi, Di], key [B, T, Di], weights [B, S, Hi] (already scaled), positions [S] / [T] ->
+    scores [B, S, T] (float32, float64 for float64 inputs); keys after a query are -inf."""
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    s = torch.einsum("bshd,btd->bsht", q.to(work), key.to(work)) * q.shape[-1] ** -0.5
+    scores = torch.einsum("bsh,bsht->bst", weights.to(work), F.relu(s))
+    visible = k_pos[None, :] <= q_pos[:, None]
+    return scores.masked_fill(~visible[None], float("-inf"))
+
+
+def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [B, S, T] -> (indices [B, S, min(k, T)] long, valid [B, S, min(k, T)] bool): the best keys
+    first, equal scores broken toward the earlier position (a stable sort of the negated scores keeps
+    the positions' order among ties); -inf (invisible) keys are never valid."""
+    if k < 1:
+        raise ValueError(f"index_topk={k}: must be >= 1")
+    order = torch.sort(-scores, dim=-1, stable=True).indices[..., :min(k, scores.shape[-1])]
+    valid = torch.gather(scores, -1, order) > float("-inf")
+    return order, valid
+
+
+def mla_sparse(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+               w_uk: torch.Tensor, w_uv: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """q_nope [B, S, H, Dn], q_pe [B, S, H, Dr] (rotated), c_kv [B, T, R], k_pe [B, T, Dr] (rotated),
+    w_uk [H, Dn, R], w_uv [H, Dv, R], idx / valid [B, S, k] -> [B, S, H, Dv]. Softmax in >= float32."""
+    work = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
+    B, S, k = idx.shape
+    q_abs = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)                      # query in latent space
+    flat = idx.reshape(B, S * k)
+    c_sel = torch.gather(c_kv, 1, flat[..., None].expand(-1, -1, c_kv.shape[-1])).view(B, S, k, -1)
+    pe_sel = torch.gather(k_pe, 1, flat[..., None].expand(-1, -1, k_pe.shape[-1])).view(B, S, k, -1)
+    logits = (torch.einsum("bshr,bskr->bshk", q_abs, c_sel)
+              + torch.einsum("bshd,bskd->bshk", q_pe, pe_sel)).to(work) * scale
+    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+    p = torch.softmax(logits, dim=-1).to(c_kv.dtype)
+    o_lat = torch.einsum("bshk,bskr->bshr", p, c_sel)                          # attention output, latent
+    return torch.einsum("bshr,hvr->bshv", o_lat, w_uv)
