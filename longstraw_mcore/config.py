@@ -122,6 +122,97 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
+class GlmDsaConfig:
+    """Dimensions of a GLM-5.x decoder (`GlmMoeDsaForCausalLM`): MLA attention with DeepSeek Sparse
+    Attention (an indexer picks `index_topk` keys per query; IndexShare: "shared" layers reuse the
+    previous "full" layer's choice), a dense SwiGLU MLP on the first `first_k_dense_replace` layers and
+    a sigmoid-routed MoE with a shared expert on the rest (models/glm5.py, models/glm_moe.py)."""
+
+    family: Literal["glm_dsa"] = "glm_dsa"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    """Dense-layer SwiGLU inner size."""
+    num_layers: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    """The MLA latent kept per prompt position (with the RoPE key)."""
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    indexer_types: list[str]
+    """Per layer: "full" (runs the indexer) or "shared" (reuses the previous full layer's top-k)."""
+    first_k_dense_replace: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int = 1
+    moe_intermediate_size: int
+    routed_scaling_factor: float = 2.5
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-5
+    attention_block: int = 1024
+    dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
+    make_vocab_size_divisible_by: int = 1
+
+    def __post_init__(self) -> None:
+        _check_choice("model.family", self.family, ("glm_dsa",))
+        _check_choice("model.dtype", self.dtype, DTYPES)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_attention_heads",
+                     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                     "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts", "num_experts_per_tok",
+                     "moe_intermediate_size", "attention_block", "make_vocab_size_divisible_by"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"model.{name}={v!r}: must be a positive integer")
+        if not 0 <= self.first_k_dense_replace <= self.num_layers:
+            raise ConfigError(f"model.first_k_dense_replace={self.first_k_dense_replace}: must be in "
+                              f"[0, model.num_layers={self.num_layers}]")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ConfigError(f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds model.n_routed_experts="
+                              f"{self.n_routed_experts}")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
+            raise ConfigError(f"model.qk_rope_head_dim={self.qk_rope_head_dim}: must be even and at most "
+                              f"model.index_head_dim={self.index_head_dim} (the indexer rotates that many dims)")
+        types = list(self.indexer_types)
+        if len(types) != self.num_layers or any(t not in ("full", "shared") for t in types) or \
+                (types and types[0] != "full"):
+            raise ConfigError(f"model.indexer_types={types}: need {self.num_layers} entries of 'full'/'shared', the "
+                              "first 'full' (a shared layer reuses the previous full layer's top-k)")
+        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+            raise ConfigError(f"model.rope_theta={self.rope_theta}, model.rms_norm_eps={self.rms_norm_eps}: "
+                              "both must be positive")
+
+    @staticmethod
+    def index_share_schedule(num_layers: int, freq: int = 1, offset: int = 2) -> list[str]:
+        """GLM's IndexShare schedule from `index_topk_freq` / `index_skip_topk_offset` (as transformers
+        derives it): layer i is full when max(i - offset + 1, 0) is a multiple of freq. GLM-5.2
+        (freq 4, offset 3): full on 0, 1, 2, 6, 10, ..., 74 (21 of 78)."""
+        freq = max(freq, 1)
+        return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+    def padded_vocab_size(self, tp: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    @property
+    def layer_types(self) -> list[str]:
+        """Per layer (0-based): `mla_dsa_full` (runs its indexer) or `mla_dsa_shared`."""
+        return [f"mla_dsa_{t}" for t in self.indexer_types]
+
+    @property
+    def mlp_types(self) -> list[str]:
+        return ["dense" if i < self.first_k_dense_replace else "moe" for i in range(self.num_layers)]
+
+    @property
+    def torch_dtype(self):
+        return ModelConfig.torch_dtype.fget(self)
+
+
+@dataclass(kw_only=True)
 class ParallelConfig:
     """Parallel layout. Data parallelism is whatever remains of the world size."""
 

@@ -66,3 +66,20 @@ class GatedRMSNorm(torch.nn.Module):
         # Order as the reference: normalise in float32, cast, scale by w, gate by silu(z) in float32.
         h = _tp_weight(self.weight, self.tp_group) * h.to(x.dtype)
         return (h * F.silu(z.to(work))).to(x.dtype)
+
+
+class RMSNorm(torch.nn.Module):
+    """Plain RMSNorm (GLM-5.x / DeepSeek: weight x normalised, weight starting at ones), normalised in
+    >= float32 and cast back before the weight, as the reference orders it. Megatron norm-slot
+    signature `(config, hidden_size, eps)`; an input replicated over TP keeps a replicated weight."""
+
+    def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-5, dtype=None, **kwargs):
+        super().__init__()
+        dtype = dtype or (config.params_dtype if config is not None else torch.float32)
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(_work_dtype(x.dtype))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)

@@ -113,6 +113,8 @@ class Qwen35HybridModel(ReplayModelMixin, LanguageModule):
     `model_cfg.vocab_size` are padding), hidden states `[S, B, Hd]` elsewhere (Megatron's pipeline
     contract)."""
 
+    block_spec_fn = staticmethod(block_spec)  # the family's layers (GLM-5.x: models/glm5.py)
+
     def __init__(self, config: TransformerConfig, model_cfg: ModelConfig, pg_collection,
                  pre_process: bool = True, post_process: bool = True):
         super().__init__(config=config, pg_collection=pg_collection)
@@ -128,7 +130,7 @@ class Qwen35HybridModel(ReplayModelMixin, LanguageModule):
                                                     tp_group=pg_collection.tp)
         stages = [model_cfg.num_layers] if config.pipeline_model_parallel_layout is None else \
             [row[0].count(LayerType.decoder) for row in config.pipeline_model_parallel_layout.layout]
-        spec = block_spec(model_cfg, pg_collection.pp.rank(), stages)
+        spec = self.block_spec_fn(model_cfg, pg_collection.pp.rank(), stages)
         self.decoder = TransformerBlock(config=config, spec=spec, pre_process=pre_process,
                                         post_process=post_process, pg_collection=pg_collection)
         if post_process:

@@ -1,0 +1,202 @@
+"""The GLM-5.x decoder (`GlmMoeDsaForCausalLM`) on Megatron-Core: spec builder, TransformerConfig, model.
+
+Each layer is Megatron's `TransformerLayer` with input_layernorm = RMSNorm, self_attention =
+`MLADSAMixer` (below), pre_mlp_layernorm = RMSNorm, mlp = Megatron's SwiGLU `MLP` on the first
+`first_k_dense_replace` layers and Megatron's `MoELayer` configured as GLM's router on the rest
+(models/glm_moe.py). Embedding, final norm and the untied output layer as in the hybrid family's
+model class, which this one reuses with its own layers.
+
+MLA with DeepSeek Sparse Attention, per layer (legend: S tokens, B batch, H heads local to this TP
+rank, R kv_lora_rank, Dn / Dr / Dv the no-RoPE / RoPE / value head dims):
+
+    q_resid = q_a_layernorm(q_a_proj(x));  [q_nope | q_pe] = q_b_proj(q_resid)     per head
+    [c | k_pe] = kv_a_proj_with_mqa(x);  c = kv_a_layernorm(c)                      shared by all heads
+    q_pe, k_pe = interleaved RoPE at the tokens' positions
+    "full" layer: top-k keys per query by the indexer (ops/dsa.py: ReLU scores of its own queries from
+    q_resid and one normed key per token, weighted per head; deterministic tie-break); "shared"
+    layer: the previous full layer's choice (IndexShare)
+    o = attention of each head to its selected keys through the latent (W_UK, W_UV from kv_b_proj,
+    absorbed: the per-head K/V are never expanded);  out = o_proj(o)
+
+Tensor parallelism splits q_b_proj / kv_b_proj by heads and o_proj by rows; the latent, the RoPE
+key and the indexer are computed whole on every TP rank (column-parallel with gathered output), and
+their gradients are summed over the TP ranks' heads. The selection gets no gradient (the indexer
+trains by its own loss in the reference, not by the policy gradient).
+
+Not yet: the prompt-state contexts (the latent and indexer keys as a state kind, replay, exact mode),
+context and pipeline parallelism for this family (a pipeline stage that starts with a shared layer
+would need the previous stage's top-k), conversion of checkpoints: models built here take weights
+through `checkpoint/glm_dsa.py`'s name table at TP=1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from longstraw_mcore import cpu_compat
+from longstraw_mcore.config import GlmDsaConfig
+from longstraw_mcore.models.glm_moe import moe_config_kwargs, moe_layer_builder
+from longstraw_mcore.models.norms import RMSNorm
+from longstraw_mcore.models.qwen3_5 import Qwen35HybridModel
+from longstraw_mcore.ops.dsa import indexer_scores, mla_sparse, rope_interleaved, select_topk
+
+
+def transformer_config(m: GlmDsaConfig, p, device: str) -> TransformerConfig:
+    dtype = m.torch_dtype
+    kwargs = dict(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.intermediate_size,
+        num_attention_heads=m.num_attention_heads, kv_channels=m.v_head_dim, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, normalization="RMSNorm", layernorm_epsilon=m.rms_norm_eps,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp, context_parallel_size=p.cp, expert_model_parallel_size=p.ep,
+        sequence_parallel=False, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        init_method_std=0.02, hetereogenous_dist_checkpoint=True,
+        **moe_config_kwargs(m.n_routed_experts, m.num_experts_per_tok, m.moe_intermediate_size,
+                            m.n_shared_experts, m.routed_scaling_factor,
+                            router_dtype="fp64" if dtype == torch.float64 else "fp32"),
+    )
+    if p.pp > 1:
+        raise NotImplementedError("pipeline parallelism for the GLM-5.x family is not built yet; use parallel.pp=1")
+    if device == "cpu":
+        kwargs.update(cpu_compat.cpu_config_overrides())
+    return TransformerConfig(**kwargs)
+
+
+class TopkShare:
+    """IndexShare within one forward: the last full layer's selection, read by the shared layers after it."""
+
+    def __init__(self):
+        self.selection = None
+
+
+def _col(config, tp_group, n_in, n_out, gather):
+    return ColumnParallelLinear(n_in, n_out, config=config, init_method=config.init_method, bias=False,
+                                gather_output=gather, skip_bias_add=True, tp_group=tp_group)
+
+
+@dataclass
+class MLADSASubmodules:
+    pass
+
+
+class MLADSAMixer(MegatronModule):
+    def __init__(self, config, submodules: MLADSASubmodules, layer_number: int, pg_collection=None,
+                 model_cfg: GlmDsaConfig = None, share: TopkShare = None, **kwargs):
+        super().__init__(config=config)
+        m = model_cfg
+        assert m is not None and share is not None, "MLADSAMixer needs model_cfg and share (the spec passes them)"
+        self.layer_number, self.share, self.m = layer_number, share, m
+        self.tp_group = pg_collection.tp
+        tp = self.tp_group.size()
+        if m.num_attention_heads % tp:
+            raise ValueError(f"model.num_attention_heads={m.num_attention_heads} is not divisible by tp={tp}")
+        self.h = m.num_attention_heads // tp
+        self.full = m.indexer_types[layer_number - 1] == "full"
+        Hd, R = config.hidden_size, m.kv_lora_rank
+        col = partial(_col, config, self.tp_group)
+        self.q_a_proj = col(Hd, m.q_lora_rank, True)
+        # the latent norms take a fixed eps of 1e-6 in the reference (not config.rms_norm_eps)
+        self.q_a_layernorm = RMSNorm(config, m.q_lora_rank, eps=1e-6)
+        self.q_b_proj = col(m.q_lora_rank, m.num_attention_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), False)
+        self.kv_a_proj_with_mqa = col(Hd, R + m.qk_rope_head_dim, True)
+        self.kv_a_layernorm = RMSNorm(config, R, eps=1e-6)
+        self.kv_b_proj = col(R, m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim), False)
+        self.o_proj = RowParallelLinear(m.num_attention_heads * m.v_head_dim, Hd, config=config,
+                                        init_method=config.output_layer_init_method, bias=False,
+                                        input_is_parallel=True, skip_bias_add=True, tp_group=self.tp_group)
+        if self.full:
+            self.indexer = torch.nn.Module()
+            self.indexer.wq_b = col(m.q_lora_rank, m.index_n_heads * m.index_head_dim, True)
+            self.indexer.wk = col(Hd, m.index_head_dim, True)
+            self.indexer.k_norm = torch.nn.LayerNorm(m.index_head_dim, eps=1e-6, dtype=config.params_dtype)
+            self.indexer.weights_proj = col(Hd, m.index_n_heads, True)
+        self.scale = (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5
+
+    @torch.no_grad()
+    def _select(self, x, q_resid, pos):
+        m, ix = self.m, self.indexer
+        B, S, _ = x.shape
+        Dr = m.qk_rope_head_dim
+        qi = ix.wq_b(q_resid)[0].view(B, S, m.index_n_heads, m.index_head_dim)
+        qi = torch.cat([rope_interleaved(qi[..., :Dr], pos, m.rope_theta), qi[..., Dr:]], -1)
+        ki = ix.k_norm(ix.wk(x)[0])
+        ki = torch.cat([rope_interleaved(ki[..., :Dr], pos, m.rope_theta), ki[..., Dr:]], -1)
+        w = ix.weights_proj(x)[0] * m.index_n_heads ** -0.5
+        return select_topk(indexer_scores(qi, ki, w, pos, pos), m.index_topk)
+
+    def forward(self, hidden_states, attention_mask=None, inference_context=None, **kwargs):
+        """hidden_states [S, B, Hd] -> (out [S, B, Hd], None)."""
+        if inference_context is not None:
+            raise NotImplementedError("branch replay for the GLM-5.x family (its latent + indexer-key prompt "
+                                      "state) is not built yet")
+        m = self.m
+        S, B, _ = hidden_states.shape
+        x = hidden_states.transpose(0, 1)                                       # [B, S, Hd]
+        pos = torch.arange(S, device=x.device)
+        Dn, Dr, Dv, R = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        q_resid = self.q_a_layernorm(self.q_a_proj(x)[0])
+        q = self.q_b_proj(q_resid)[0].view(B, S, self.h, Dn + Dr)
+        q_nope, q_pe = q.split([Dn, Dr], -1)
+        q_pe = rope_interleaved(q_pe, pos, m.rope_theta)
+        kv = self.kv_a_proj_with_mqa(x)[0]
+        # shared by this rank's heads and the other ranks': their gradients sum over TP
+        c = copy_to_tensor_model_parallel_region(self.kv_a_layernorm(kv[..., :R]), group=self.tp_group)
+        k_pe = copy_to_tensor_model_parallel_region(rope_interleaved(kv[..., R:], pos, m.rope_theta),
+                                                    group=self.tp_group)
+        if self.full:
+            self.share.selection = self._select(x, q_resid, pos)
+        elif self.share.selection is None:
+            raise RuntimeError(f"layer {self.layer_number} shares the top-k of a previous full layer, but none ran")
+        idx, valid = self.share.selection
+        w = self.kv_b_proj.weight.view(self.h, Dn + Dv, R)
+        o = mla_sparse(q_nope, q_pe, c, k_pe, w[:, :Dn], w[:, Dn:], idx, valid, self.scale)
+        out, _ = self.o_proj(o.reshape(B, S, self.h * Dv).transpose(0, 1).contiguous())
+        return out, None
+
+
+def layer_spec(i: int, m: GlmDsaConfig, share: TopkShare) -> ModuleSpec:
+    mixer = ModuleSpec(module=MLADSAMixer, submodules=MLADSASubmodules(), params={"model_cfg": m, "share": share})
+    if m.mlp_types[i] == "dense":
+        mlp = partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                     linear_fc2=RowParallelLinear))
+    else:
+        mlp = moe_layer_builder(m.n_routed_experts)
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=RMSNorm, self_attention=mixer, self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=RMSNorm, mlp=mlp, mlp_bda=get_bias_dropout_add))
+
+
+def block_spec(m: GlmDsaConfig, pp_rank: int, stages: list[int]) -> TransformerBlockSubmodules:
+    first = sum(stages[:pp_rank])
+    share = TopkShare()  # one per model: the stage's layers pass the selection down
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(i, m, share) for i in range(first, first + stages[pp_rank])],
+                                      layer_norm=RMSNorm)
+
+
+class GlmDsaModel(Qwen35HybridModel):
+    """Embedding -> MLA/DSA + dense/MoE layers -> final RMSNorm + untied output layer (vocab-parallel
+    logits `[B, S, V_pad/tp]`)."""
+
+    block_spec_fn = staticmethod(block_spec)
+
+
+def build_model(model_cfg: GlmDsaConfig, parallel, device: str) -> GlmDsaModel:
+    from longstraw_mcore.config import ParallelConfig as PC
+
+    pc = PC(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=getattr(parallel, "ep", 1))
+    model = GlmDsaModel(transformer_config(model_cfg, pc, device), model_cfg, parallel.pgs,
+                        pre_process=parallel.is_first_stage, post_process=parallel.is_last_stage)
+    return model.cuda() if device == "cuda" else model
