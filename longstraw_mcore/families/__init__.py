@@ -13,7 +13,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-_MODULES = {"qwen3_5": "longstraw_mcore.families.qwen3_5"}
+_MODULES = {"qwen3_5": "longstraw_mcore.families.qwen3_5", "glm_dsa": "longstraw_mcore.families.glm_dsa"}
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,12 @@ key and the indexer are computed whole on every TP rank (column-parallel with ga
 their gradients are summed over the TP ranks' heads. The selection gets no gradient (the indexer
 trains by its own loss in the reference, not by the policy gradient).
 
-Not yet: the prompt-state contexts (the latent and indexer keys as a state kind, replay, exact mode),
-context and pipeline parallelism for this family (a pipeline stage that starts with a shared layer
-would need the previous stage's top-k), conversion of checkpoints: models built here take weights
-through `checkpoint/glm_dsa.py`'s name table at TP=1.
+Branch replay: under a prompt-state context the layer hands its tokens' latents (c, k_pe, and on
+full layers the indexer key) to `ctx.latent` and attends to what it returns (prompt_state/mla.py).
+Not yet: context and pipeline parallelism for this family (a pipeline stage that starts with a shared
+layer would need the previous stage's top-k), the latent sharded by sequence inside the TP group,
+conversion of checkpoints: models built here take weights through `checkpoint/glm_dsa.py`'s name
+table at TP=1.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from longstraw_mcore.models.glm_moe import moe_config_kwargs, moe_layer_builder
 from longstraw_mcore.models.norms import RMSNorm
 from longstraw_mcore.models.qwen3_5 import Qwen35HybridModel
 from longstraw_mcore.ops.dsa import indexer_scores, mla_sparse, rope_interleaved, select_topk
+from longstraw_mcore.prompt_state.mla import MLAKeys
 
 
 def transformer_config(m: GlmDsaConfig, p, device: str) -> TransformerConfig:
@@ -126,45 +129,62 @@ class MLADSAMixer(MegatronModule):
         self.scale = (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5
 
     @torch.no_grad()
-    def _select(self, x, q_resid, pos):
+    def _index_key(self, x, pos):
+        m, ix = self.m, self.indexer
+        Dr = m.qk_rope_head_dim
+        ki = ix.k_norm(ix.wk(x)[0])
+        return torch.cat([rope_interleaved(ki[..., :Dr], pos, m.rope_theta), ki[..., Dr:]], -1)
+
+    @torch.no_grad()
+    def _select(self, x, q_resid, pos, keys: MLAKeys):
+        """Top-k of `keys` for every query (queries at `pos`; keys at `keys.pos`)."""
         m, ix = self.m, self.indexer
         B, S, _ = x.shape
         Dr = m.qk_rope_head_dim
         qi = ix.wq_b(q_resid)[0].view(B, S, m.index_n_heads, m.index_head_dim)
         qi = torch.cat([rope_interleaved(qi[..., :Dr], pos, m.rope_theta), qi[..., Dr:]], -1)
-        ki = ix.k_norm(ix.wk(x)[0])
-        ki = torch.cat([rope_interleaved(ki[..., :Dr], pos, m.rope_theta), ki[..., Dr:]], -1)
         w = ix.weights_proj(x)[0] * m.index_n_heads ** -0.5
-        return select_topk(indexer_scores(qi, ki, w, pos, pos), m.index_topk)
+        return select_topk(indexer_scores(qi, keys.ik, w, pos, keys.pos), m.index_topk)
+
+    def _own(self, x, pos) -> MLAKeys:
+        """The latents of this call's tokens at positions `pos` (the state a later token needs)."""
+        R = self.m.kv_lora_rank
+        kv = self.kv_a_proj_with_mqa(x)[0]
+        return MLAKeys(self.kv_a_layernorm(kv[..., :R]), rope_interleaved(kv[..., R:], pos, self.m.rope_theta),
+                       self._index_key(x, pos) if self.full else None, pos)
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, **kwargs):
-        """hidden_states [S, B, Hd] -> (out [S, B, Hd], None)."""
-        if inference_context is not None:
-            raise NotImplementedError("branch replay for the GLM-5.x family (its latent + indexer-key prompt "
-                                      "state) is not built yet")
-        m = self.m
+        """hidden_states [S, B, Hd] -> (out [S, B, Hd], None). Under a prompt-state context the queries
+        see what `ctx.latent` returns (the prompt's latents and their own)."""
+        ctx, m = inference_context, self.m
         S, B, _ = hidden_states.shape
         x = hidden_states.transpose(0, 1)                                       # [B, S, Hd]
-        pos = torch.arange(S, device=x.device)
+        pos = ctx.positions(S, x.device) if ctx is not None else torch.arange(S, device=x.device)
         Dn, Dr, Dv, R = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        own = self._own(x, pos)
+        keys = ctx.latent(self.layer_number, own) if ctx is not None else own
         q_resid = self.q_a_layernorm(self.q_a_proj(x)[0])
         q = self.q_b_proj(q_resid)[0].view(B, S, self.h, Dn + Dr)
         q_nope, q_pe = q.split([Dn, Dr], -1)
         q_pe = rope_interleaved(q_pe, pos, m.rope_theta)
-        kv = self.kv_a_proj_with_mqa(x)[0]
-        # shared by this rank's heads and the other ranks': their gradients sum over TP
-        c = copy_to_tensor_model_parallel_region(self.kv_a_layernorm(kv[..., :R]), group=self.tp_group)
-        k_pe = copy_to_tensor_model_parallel_region(rope_interleaved(kv[..., R:], pos, m.rope_theta),
-                                                    group=self.tp_group)
         if self.full:
-            self.share.selection = self._select(x, q_resid, pos)
+            self.share.selection = self._select(x, q_resid, pos, keys)
         elif self.share.selection is None:
             raise RuntimeError(f"layer {self.layer_number} shares the top-k of a previous full layer, but none ran")
         idx, valid = self.share.selection
+        # the latent and RoPE key serve this rank's heads and the other ranks': gradients sum over TP
+        c = copy_to_tensor_model_parallel_region(keys.c, group=self.tp_group)
+        k_pe = copy_to_tensor_model_parallel_region(keys.pe, group=self.tp_group)
         w = self.kv_b_proj.weight.view(self.h, Dn + Dv, R)
         o = mla_sparse(q_nope, q_pe, c, k_pe, w[:, :Dn], w[:, Dn:], idx, valid, self.scale)
         out, _ = self.o_proj(o.reshape(B, S, self.h * Dv).transpose(0, 1).contiguous())
         return out, None
+
+    def produce_state(self, hidden_states, inference_context) -> None:
+        """Only this layer's prompt state (its latents), handed to the context: exact mode's recompute
+        of the model's last layer, whose output feeds nothing."""
+        x = hidden_states.transpose(0, 1)
+        inference_context.latent(self.layer_number, self._own(x, inference_context.positions(x.shape[1], x.device)))
 
 
 def layer_spec(i: int, m: GlmDsaConfig, share: TopkShare) -> ModuleSpec:
@@ -195,6 +215,10 @@ class GlmDsaModel(Qwen35HybridModel):
 
 def build_model(model_cfg: GlmDsaConfig, parallel, device: str) -> GlmDsaModel:
     from longstraw_mcore.config import ParallelConfig as PC
+    from longstraw_mcore.models.glm_moe import float64_routing
+
+    if model_cfg.torch_dtype == torch.float64:
+        float64_routing()  # float64 validation runs route in float64 (models/glm_moe.py)
 
     pc = PC(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=getattr(parallel, "ep", 1))
     model = GlmDsaModel(transformer_config(model_cfg, pc, device), model_cfg, parallel.pgs,

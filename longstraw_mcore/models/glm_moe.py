@@ -46,3 +46,46 @@ def moe_layer_builder(num_experts: int):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     return get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
+
+
+class _Float64Scores:
+    """While active: `Tensor.float()` and float32 dtype arguments give float64 (a TorchFunctionMode)."""
+
+    def __init__(self):
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func is torch.Tensor.float:
+                    return args[0].double()
+                args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+                kwargs = {k: (torch.float64 if v is torch.float32 else v) for k, v in kwargs.items()}
+                return func(*args, **kwargs)
+
+        self.mode = Mode()
+
+
+def float64_routing() -> None:
+    """Megatron's router takes the sigmoid of float64 logits in float32 (`logits.float()` in
+    `topk_routing_with_score_function`): in a float64 run that rounds every routing weight to float32,
+    and float64 noise in the logits (a different batch shape) then flips float32 ulps, ~1e-8 apart.
+    For float64 logits only, run that function with float32 read as float64; other dtypes are
+    untouched (bf16 and float32 models route exactly as Megatron does). Idempotent."""
+    import megatron.core.transformer.moe.router as router
+
+    orig = router.topk_routing_with_score_function
+    if getattr(orig, "_float64", False):
+        return
+
+    def routing(logits, *args, **kwargs):
+        import torch
+
+        if logits.dtype != torch.float64:
+            return orig(logits, *args, **kwargs)
+        with _Float64Scores().mode:
+            return orig(logits, *args, **kwargs)
+
+    routing._float64 = True
+    router.topk_routing_with_score_function = routing

@@ -2,8 +2,9 @@
 
 Mixers call one hook per mixer type and never see which context they run under (models/mixers/
 state.py): attention `ctx.key_sets(layer, k, v)` then `ctx.attend(q, key_sets, q_start, block)`,
-Gated DeltaNet `ctx.recurrent(layer, core, inputs, n_k_heads)` (through `read` / `write`), every
-mixer `ctx.positions(S, device)`. Each context forwards state hooks to that layer's state kind for
+Gated DeltaNet `ctx.recurrent(layer, core, inputs, n_k_heads)` (through `read` / `write`), MLA + DSA
+`ctx.latent(layer, own)` (the latents its queries see: prompt_state/mla.py), every mixer
+`ctx.positions(S, device)`. Each context forwards state hooks to that layer's state kind for
 its phase:
 
 - `CaptureContext`: a no-grad prompt chunk; kinds store what later tokens need (exact mode: GDN
@@ -48,6 +49,11 @@ from longstraw_mcore.models.mixers.state import StateHooks
 from longstraw_mcore.ops.attention import KeySet
 from longstraw_mcore.parallel.cp import CPLayout, local_positions
 from longstraw_mcore.prompt_state.containers import PromptState
+
+
+def _no_cp(layout) -> None:
+    if layout is not None:
+        raise NotImplementedError("context parallelism for MLA latent state (GLM-5.x) is not built yet")
 
 
 class _Base(StateHooks):
@@ -107,6 +113,10 @@ class CaptureContext(_ChunkBase):
     def read(self, n: int):
         return self.state.layers[n].capture_read(self.chunk, self.keep_boundaries)
 
+    def latent(self, n: int, own):
+        _no_cp(self.layout)
+        return self.state.layers[n].capture_latent(own, self.local_span[0])
+
     def write(self, n: int, new) -> None:
         self.state.layers[n].capture_write(new)
 
@@ -132,6 +142,10 @@ class ReplayContext(_Base):
     def read(self, n: int):
         return self.state.layers[n].replay_read(self.batch)
 
+    def latent(self, n: int, own):
+        _no_cp(self.layout)
+        return self.state.layers[n].replay_latent(own)
+
     def write(self, n: int, new) -> None:
         pass  # the branch's own state is scratch of its graph
 
@@ -146,6 +160,10 @@ class RecomputeContext(_ChunkBase):
 
     def read(self, n: int):
         return self.state.layers[n].recompute_read(self.chunk, self.deposit_scale)
+
+    def latent(self, n: int, own):
+        _no_cp(self.layout)
+        return self.state.layers[n].recompute_latent(own, self.chunk, self.local_span)
 
     def write(self, n: int, new) -> None:
         self.state.layers[n].recompute_write(self.chunk, new)

@@ -1,0 +1,160 @@
+"""Prompt state of an MLA + DSA layer (GLM-5.x): per captured position the latent c_kv (kv_lora_rank,
+after its norm) and the RoPE key k_pe (after RoPE), and on "full" indexer layers the indexer key;
+"shared" layers keep no indexer key (they reuse the previous full layer's selection).
+
+Legend: P_c captured positions, R kv_lora_rank, Dr RoPE dims, Di indexer head dim.
+
+    capture   chunk [s0, s1): its latents are copied into the preallocated buffers [1, P_c, .] and
+              its queries see buffer[:, :s1] (one call: earlier chunks and their own causally)
+    replay    a branch at positions P_c.. sees {the buffers, its own latents}; the per-head K/V are
+              never expanded (ops/dsa.py's absorbed attention reads the latent directly)
+    exact     the buffers get autograd leaves (float32, float64 under float64) whose gradients
+              accumulate over branches; chunk c's recompute sees the leaves' rows before it and its own
+              recomputed latents, and is seeded with the accumulated gradient of its rows
+
+Bytes per position: (R + Dr) in the model dtype, + Di on full indexer layers. GLM-5.2 in bf16:
+78 x 576 x 2 + 21 x 128 x 2 = 95,232 B per position. Exact mode adds the float32 leaves' gradient
+(and, below float32, a float32 copy of the state).
+
+Not yet (said where they would go): context parallelism and the sequence sharding inside the TP
+group (one latent for all heads: it is replicated on every TP rank today), and a gradient that skips
+the full-size temporary of a gather's backward (today each replayed branch's latent gradient is
+materialised at full prompt size per layer before it is added to the leaf).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from longstraw_mcore.prompt_state.base import LayerState, grad_dtype
+
+
+@dataclass
+class MLAKeys:
+    """What a call's queries may attend to: latents, RoPE keys, indexer keys (None on shared layers),
+    and the keys' absolute positions."""
+
+    c: torch.Tensor            # [B, T, R]
+    pe: torch.Tensor           # [B, T, Dr]
+    ik: torch.Tensor | None    # [B, T, Di]
+    pos: torch.Tensor          # [T]
+
+
+def _cat(a, b):
+    if a.shape[0] != b.shape[0]:
+        a = a.expand(b.shape[0], *a.shape[1:])
+    return torch.cat([a, b.to(a.dtype)], 1)
+
+
+def _elt(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+class MLALatentState(LayerState):
+    kind = "mla_latent"
+    indexer = False
+
+    def __init__(self, m, tp: int, captured: int, device, batch: int = 1, kv=None, spans=None):
+        self.dtype = m.torch_dtype
+        self.c = torch.zeros(batch, captured, m.kv_lora_rank, dtype=self.dtype, device=device)
+        self.pe = torch.zeros(batch, captured, m.qk_rope_head_dim, dtype=self.dtype, device=device)
+        self.ik = torch.zeros(batch, captured, m.index_head_dim, dtype=self.dtype, device=device) \
+            if self.indexer else None
+        self.length = 0
+        self.leaves: tuple | None = None
+        self.produced: dict = {}
+
+    def _tensors(self):
+        return [t for t in (self.c, self.pe, self.ik) if t is not None]
+
+    # --- capture --------------------------------------------------------------------------------
+    def capture_latent(self, own: MLAKeys, local_offset: int) -> MLAKeys:
+        t = own.c.shape[1]
+        if self.length != local_offset or local_offset + t > self.c.shape[1]:
+            raise ValueError(f"MLA state holds {self.length} of {self.c.shape[1]} positions; a chunk of {t} at "
+                             f"offset {local_offset} does not continue it")
+        end = local_offset + t
+        self.c[:, local_offset:end].copy_(own.c)
+        self.pe[:, local_offset:end].copy_(own.pe)
+        if self.ik is not None:
+            self.ik[:, local_offset:end].copy_(own.ik)
+        self.length = end
+        return MLAKeys(self.c[:, :end], self.pe[:, :end], None if self.ik is None else self.ik[:, :end],
+                       torch.arange(end, device=self.c.device))
+
+    # --- replay ---------------------------------------------------------------------------------
+    def _state(self, end: int):
+        """The state's rows before `end`, as the graph should see them (leaves in exact mode)."""
+        if self.leaves is None:
+            return [t[:, :end] if t is not None else None for t in (self.c, self.pe, self.ik)]
+        c, pe = (x[:, :end].to(self.dtype) for x in self.leaves)
+        return [c, pe, None if self.ik is None else self.ik[:, :end]]
+
+    def replay_latent(self, own: MLAKeys) -> MLAKeys:
+        c, pe, ik = self._state(self.length)
+        return MLAKeys(_cat(c, own.c), _cat(pe, own.pe), None if ik is None else _cat(ik, own.ik),
+                       torch.cat([torch.arange(self.length, device=own.pos.device), own.pos]))
+
+    # --- exact mode -----------------------------------------------------------------------------
+    def enable_grad(self) -> None:
+        dt = grad_dtype(self.dtype)
+        # the indexer key gets no gradient: the selection is not differentiable
+        self.leaves = tuple(x.detach().to(dt).requires_grad_(True) for x in (self.c, self.pe))
+
+    def release_grad(self) -> None:
+        self.leaves, self.produced = None, {}
+
+    def recompute_latent(self, own: MLAKeys, chunk: int, local_span: tuple[int, int]) -> MLAKeys:
+        ls0, ls1 = local_span
+        assert self.leaves is not None and own.c.shape[1] == ls1 - ls0, (own.c.shape, local_span)
+        self.produced[chunk] = (own.c, own.pe, local_span)
+        c, pe, ik = self._state(ls0)
+        return MLAKeys(_cat(c, own.c), _cat(pe, own.pe), None if ik is None else _cat(ik, own.ik),
+                       torch.cat([torch.arange(ls0, device=own.pos.device), own.pos]))
+
+    def outputs(self, chunk: int) -> list[torch.Tensor]:
+        assert chunk in self.produced, f"the recompute of chunk {chunk} did not reach this layer"
+        return list(self.produced[chunk][:2])
+
+    def seed_grads(self, chunk: int) -> list[torch.Tensor]:
+        ls0, ls1 = self.produced[chunk][2]
+        return [x.grad[:, ls0:ls1] if x.grad is not None else torch.zeros_like(x[:, ls0:ls1]) for x in self.leaves]
+
+    def finish_chunk(self, chunk: int) -> None:
+        self.produced.pop(chunk, None)
+
+    # --- memory ---------------------------------------------------------------------------------
+    def kept(self):
+        out = {"mla_latent": [self.c, self.pe]}
+        if self.ik is not None:
+            out["dsa_index_keys"] = [self.ik]
+        return out
+
+    def grad_tensors(self):
+        if self.leaves is None:
+            return []
+        return list(self.leaves) + [x.grad for x in self.leaves if x.grad is not None]
+
+    @classmethod
+    def analytic_bytes(cls, m, tp: int, captured: int, exact_chunks: int, batch: int = 1, cp: int = 1) -> dict:
+        e = _elt(m.torch_dtype)
+        out = {"mla_latent": (m.kv_lora_rank + m.qk_rope_head_dim) * captured * e * batch}
+        if cls.indexer:
+            out["dsa_index_keys"] = m.index_head_dim * captured * e * batch
+        return out
+
+    @classmethod
+    def analytic_grad_bytes(cls, m, tp: int, captured: int) -> int:
+        """The float32 leaves' gradients, and the float32 leaf copies when the model dtype is narrower."""
+        n = (m.kv_lora_rank + m.qk_rope_head_dim) * captured
+        copies = n if grad_dtype(m.torch_dtype) != m.torch_dtype else 0
+        return (n + copies) * _elt(grad_dtype(m.torch_dtype))
+
+
+class MLAIndexerState(MLALatentState):
+    """A "full" indexer layer: the latent state plus the indexer key per position."""
+
+    kind = "mla_latent_index"
+    indexer = True
