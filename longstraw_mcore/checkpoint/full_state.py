@@ -31,9 +31,12 @@ def _entries(model) -> list[ShardedTensor | ShardedTensorFactory]:
 
 
 def _slices(sh: ShardedTensor) -> tuple[slice, ...]:
+    """Where this piece sits in the full tensor. Prepended axes are real axes of it (our layers are
+    keyed one by one, so the only prepended axis is a SequentialMLP's expert index): one index each."""
     assert sh.flattened_range is None, f"{sh.key}: flattened shards are not supported here"
-    offs = sh.global_offset[sh.prepend_axis_num:]
-    return tuple(slice(o, o + n) for o, n in zip(offs, sh.local_shape))
+    p = sh.prepend_axis_num
+    return tuple(slice(o, o + 1) for o in sh.global_offset[:p]) + \
+        tuple(slice(o, o + n) for o, n in zip(sh.global_offset[p:], sh.local_shape))
 
 
 def _leaves(entry):
@@ -66,7 +69,7 @@ def _true_rows(model, leaf) -> int | None:
 
 
 def _global_shape(model, leaf) -> tuple[int, ...]:
-    shape = tuple(leaf.global_shape[leaf.prepend_axis_num:])
+    shape = tuple(leaf.global_shape)
     rows = _true_rows(model, leaf)
     return shape if rows is None else (rows,) + shape[1:]
 
@@ -77,7 +80,7 @@ def expected_keys(model, with_true_rows: bool = False) -> dict:
     out = {}
     for e in _entries(model):
         for leaf in _leaves(e)[0]:
-            shape = tuple(leaf.global_shape[leaf.prepend_axis_num:])
+            shape = tuple(leaf.global_shape)
             out[leaf.key] = (shape, _true_rows(model, leaf)) if with_true_rows else shape
     return out
 
@@ -119,7 +122,8 @@ def load_full(model, full) -> None:
                                       f"expects {gshape}")
         plan.append((e, leaves, merge))
     for e, leaves, merge in plan:
-        local = merge([_local_piece(full, leaf.key, _slices(leaf), _true_rows(model, leaf), e.data) for leaf in leaves])
+        local = merge([_local_piece(full, leaf.key, _slices(leaf), _true_rows(model, leaf), e.data)
+                       .reshape(leaf.local_shape) for leaf in leaves])
         e.data.copy_(local.to(e.data.dtype))
 
 

@@ -1,5 +1,6 @@
-"""Hugging Face `GlmMoeDsaForCausalLM` tensor names -> this project's GLM-5.x model (models/glm5.py),
-full (unsharded) tensors: the table a model load and the conversion tool build on.
+"""Hugging Face `GlmMoeDsaForCausalLM` tensor names -> the canonical (sharded-state-dict) keys of this
+project's GLM-5.x model (models/glm5.py), full tensors: `checkpoint.full_state.load_full` puts each
+rank's slices in place at any TP / EP.
 
 Per layer i (MTP layers, `model.layers.{num_layers}.*` and beyond, are skipped and counted):
   self_attn.{q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj}.weight, the two latent norms,
@@ -8,8 +9,9 @@ Per layer i (MTP layers, `model.layers.{num_layers}.*` and beyond, are skipped a
   input_layernorm -> input_layernorm; post_attention_layernorm -> pre_mlp_layernorm
   dense mlp: [gate_proj; up_proj] -> mlp.linear_fc1, down_proj -> mlp.linear_fc2
   MoE: gate.weight -> mlp.router.weight, gate.e_score_correction_bias -> mlp.router.expert_bias,
-       experts.gate_up_proj[e] -> mlp.experts.local_experts.e.linear_fc1 (gate rows then up rows, as
-       Megatron's SwiGLU splits them), experts.down_proj[e] -> ...linear_fc2,
+       experts.gate_up_proj [E, 2I, H] -> mlp.experts.experts.linear_fc1.weight (stacked on the expert
+       axis as Megatron's SequentialMLP checkpoints them; gate rows then up rows, as its SwiGLU splits),
+       experts.down_proj -> mlp.experts.experts.linear_fc2.weight,
        shared_experts.[gate_proj; up_proj] -> mlp.shared_experts.linear_fc1, down_proj -> linear_fc2
 """
 
@@ -49,10 +51,9 @@ def hf_to_mcore(hf: dict, m) -> tuple[dict, list[str]]:
             continue
         out[dst + "mlp.router.weight"] = take(src + "mlp.gate.weight")
         out[dst + "mlp.router.expert_bias"] = take(src + "mlp.gate.e_score_correction_bias").float()
-        gu, dn = take(src + "mlp.experts.gate_up_proj"), take(src + "mlp.experts.down_proj")
-        for e in range(m.n_routed_experts):
-            out[dst + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = gu[e]
-            out[dst + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = dn[e]
+        # Megatron's SequentialMLP checkpoints its experts stacked on a leading expert axis: HF's layout
+        out[dst + "mlp.experts.experts.linear_fc1.weight"] = take(src + "mlp.experts.gate_up_proj")
+        out[dst + "mlp.experts.experts.linear_fc2.weight"] = take(src + "mlp.experts.down_proj")
         sh = src + "mlp.shared_experts."
         out[dst + "mlp.shared_experts.linear_fc1.weight"] = torch.cat([take(sh + "gate_proj.weight"),
                                                                        take(sh + "up_proj.weight")])
@@ -65,18 +66,3 @@ def hf_to_mcore(hf: dict, m) -> tuple[dict, list[str]]:
             else:
                 raise KeyError(f"{name}: not in the GLM-5.x mapping table")
     return out, skipped
-
-
-def load_tp1(model, tensors: dict) -> None:
-    """Copy full tensors into a TP=1, EP=1 model by name; every parameter and the router biases must be
-    given, and nothing else."""
-    own = dict(model.named_parameters())
-    own.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
-    missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
-    if missing or extra:
-        raise KeyError(f"GLM-5.x load: missing {missing[:4]}, unexpected {extra[:4]}")
-    with torch.no_grad():
-        for n, t in tensors.items():
-            if tuple(own[n].shape) != tuple(t.shape):
-                raise ValueError(f"{n}: checkpoint shape {tuple(t.shape)}, model {tuple(own[n].shape)}")
-            own[n].copy_(t)

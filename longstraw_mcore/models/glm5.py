@@ -90,6 +90,17 @@ def _col(config, tp_group, n_in, n_out, gather):
                                 gather_output=gather, skip_bias_add=True, tp_group=tp_group)
 
 
+class _Indexer(MegatronModule):
+    """The DSA indexer's weights (a MegatronModule so its tensor-parallel linears checkpoint as such)."""
+
+    def __init__(self, config, m: GlmDsaConfig, col):
+        super().__init__(config=config)
+        self.wq_b = col(m.q_lora_rank, m.index_n_heads * m.index_head_dim, True)
+        self.wk = col(config.hidden_size, m.index_head_dim, True)
+        self.k_norm = torch.nn.LayerNorm(m.index_head_dim, eps=1e-6, dtype=config.params_dtype)
+        self.weights_proj = col(config.hidden_size, m.index_n_heads, True)
+
+
 @dataclass
 class MLADSASubmodules:
     pass
@@ -121,11 +132,7 @@ class MLADSAMixer(MegatronModule):
                                         init_method=config.output_layer_init_method, bias=False,
                                         input_is_parallel=True, skip_bias_add=True, tp_group=self.tp_group)
         if self.full:
-            self.indexer = torch.nn.Module()
-            self.indexer.wq_b = col(m.q_lora_rank, m.index_n_heads * m.index_head_dim, True)
-            self.indexer.wk = col(Hd, m.index_head_dim, True)
-            self.indexer.k_norm = torch.nn.LayerNorm(m.index_head_dim, eps=1e-6, dtype=config.params_dtype)
-            self.indexer.weights_proj = col(Hd, m.index_n_heads, True)
+            self.indexer = _Indexer(config, m, col)
         self.scale = (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5
 
     @torch.no_grad()

@@ -177,6 +177,25 @@ def new_state(core, plan: list[Step], g: _Group, layout: CPLayout | None) -> Pro
                     kv=getattr(core.pg_collection, "tp_kv", None), spans=spans)
 
 
+def _same_schedule_over_ep(core, plan: list[Step], g: _Group) -> None:
+    """Expert parallelism: every MoE layer call is an all-to-all over the EP group, so its ranks must run
+    the same micro-steps with the same token counts (lockstep). Ranks that replay different prompt
+    groups (data parallel) only may when the groups have one shape; refuse otherwise, naming both."""
+    ep = getattr(core.pg_collection, "ep", None)
+    if ep is None or ep.size() == 1:
+        return
+    import torch.distributed as dist
+
+    mine = [(s.phase, s.span, tuple(len(g.responses[b]) for b in s.branches)) for s in plan]
+    every = [None] * ep.size()
+    dist.all_gather_object(every, mine, group=ep)
+    for r, theirs in enumerate(every):
+        if theirs != mine:
+            raise ValueError(f"expert-parallel ranks run different replay schedules (this rank: {len(mine)} steps, "
+                             f"first {mine[:2]}; EP rank {r}: {len(theirs)} steps, first {theirs[:2]}): their "
+                             "all-to-alls need lockstep; give the data-parallel ranks prompt groups of one shape")
+
+
 def execute(model, plan: list[Step], g: _Group, state: PromptState | None = None, state_grad: bool = False):
     """Run `plan` (against `state`, or a fresh one the plan captures); returns (results by branch,
     state, seconds per phase). `state_grad`: exact mode, the state gradient starts accumulating at
@@ -184,6 +203,7 @@ def execute(model, plan: list[Step], g: _Group, state: PromptState | None = None
     core = _core(model)
     device = next(core.parameters()).device
     layout = CPLayout.of(core.cp_group)
+    _same_schedule_over_ep(core, plan, g)
     if state is None:
         state = new_state(core, plan, g, layout)
     if core.pg_collection.pp.size() > 1:  # the same plan through Megatron's pipeline engine

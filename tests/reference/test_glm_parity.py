@@ -7,8 +7,8 @@ length) and the sparse regime (index_topk 4 of 13 tokens) on inputs where no ful
 at its k-th indexer score (checked on our side: `torch.topk` orders ties its own way, ours breaks
 them toward the earlier position). Both run with their float32 upcasts lifted to float64 (Megatron's
 router takes the sigmoid in float32; lifted, the comparison measures the implementations): logits and
-every parameter gradient <= 1e-10 relative. Weights go through checkpoint/glm_dsa.py's name table
-(the HF MTP layer is skipped and counted); the indexer and the router bias get no gradient.
+every parameter gradient <= 1e-10 relative. Weights go through checkpoint/glm_dsa.py's name table and
+load_full (the HF MTP layer is skipped and counted); the indexer and the router bias get no gradient.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from longstraw_mcore.launch_local import run_ranks
 D64 = torch.float64
 
 
-def _configs(topk: int):
+def _configs(topk: int, first_dense: int = 1):
     from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as M
 
     from longstraw_mcore.config import GlmDsaConfig
@@ -29,7 +29,7 @@ def _configs(topk: int):
     assert types == ["full", "full", "shared", "full"]
     kw = dict(vocab_size=80, hidden_size=32, intermediate_size=48, num_attention_heads=4, q_lora_rank=16,
               kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, index_n_heads=8,
-              index_head_dim=8, index_topk=topk, first_k_dense_replace=1, n_routed_experts=6,
+              index_head_dim=8, index_topk=topk, first_k_dense_replace=first_dense, n_routed_experts=6,
               num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=10, routed_scaling_factor=2.5,
               rope_theta=10000.0, rms_norm_eps=1e-5)
     hf = M.GlmMoeDsaConfig(**{k: v for k, v in kw.items() if k != "rms_norm_eps"}, rms_norm_eps=1e-5,
@@ -52,8 +52,9 @@ def _hf_model(cfg, seed):
                 p.add_(0.1 * torch.randn_like(p))
             elif "experts" in n:
                 p.normal_(0, 0.2)
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(6).float().double() * 0.1)
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):  # MoE layers
+                layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(6).float().double() * 0.1)
     return model
 
 
@@ -83,7 +84,8 @@ def _worker(rank, world_size):
     from hf_reference import LiftFloat32ToFloat64
 
     import longstraw_mcore.models.glm5 as G
-    from longstraw_mcore.checkpoint.glm_dsa import hf_to_mcore, load_tp1
+    from longstraw_mcore.checkpoint.full_state import gather_full, load_full
+    from longstraw_mcore.checkpoint.glm_dsa import hf_to_mcore
 
     out = {}
     for name, topk, seq, seed in (("dense", 32, 12, 0), ("sparse", 4, 13, 4)):
@@ -94,7 +96,7 @@ def _worker(rank, world_size):
         state = {n: t for n, t in hf.state_dict().items()}
         state["model.layers.4.eh_proj.weight"] = torch.zeros(1)  # an MTP tensor: skipped, counted
         tensors, skipped = hf_to_mcore(state, m)
-        load_tp1(model, tensors)
+        load_full(model, tensors)
         gaps = []
         orig = G.select_topk
 
@@ -119,14 +121,14 @@ def _worker(rank, world_size):
         hf_grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in hf.named_parameters()}
         hf_grads.update({n: torch.zeros_like(b) for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")})
         want, _ = hf_to_mcore(hf_grads, m)
-        own = dict(model.named_parameters())
+        own = gather_full(model, grads=True)
         errs = {"logits": _rel(got.detach(), ref.detach())}
         for n, g in want.items():
             if n.endswith("expert_bias") or ".indexer." in n:
                 continue
             if g.abs().max() > 0:
-                errs[n] = _rel(own[n].grad, g)
-        no_grad = all(p.grad is None for n, p in own.items() if ".indexer." in n)
+                errs[n] = _rel(own[n], g)
+        no_grad = all(p.grad is None for n, p in model.named_parameters() if ".indexer." in n)
         out[name] = dict(worst=max(errs.values()), which=max(errs, key=errs.get), n=len(errs), skipped=skipped,
                          min_gap=min(gaps) if gaps else None, indexer_no_grad=no_grad)
     return out

@@ -49,7 +49,8 @@ def _worker(rank, world_size):
     from test_glm_parity import _configs, _hf_model, _ours
     from test_replay_equivalence import make_group
 
-    from longstraw_mcore.checkpoint.glm_dsa import hf_to_mcore, load_tp1
+    from longstraw_mcore.checkpoint.full_state import load_full
+    from longstraw_mcore.checkpoint.glm_dsa import hf_to_mcore
     from longstraw_mcore.config import GRPOConfig, ReplayConfig
     from longstraw_mcore.prompt_state.containers import analytic_state_bytes
     from longstraw_mcore.replay.engine import capture, run_group
@@ -57,7 +58,7 @@ def _worker(rank, world_size):
 
     hf_cfg, m = _configs(4)
     model = _ours(m)
-    load_tp1(model, hf_to_mcore(dict(_hf_model(hf_cfg, 5).state_dict()), m)[0])
+    load_full(model, hf_to_mcore(dict(_hf_model(hf_cfg, 5).state_dict()), m)[0])
     gcfg = GRPOConfig(beta=0.05)
     out = {"exact": [], "detached": [], "bytes": []}
     for P, lengths, seed in [(23, [6], 1), (19, [3, 1, 7, 2, 6, 1, 4, 8], 2)]:
