@@ -203,6 +203,23 @@ class GlmDsaConfig:
         """Per layer (0-based): `mla_dsa_full` (runs its indexer) or `mla_dsa_shared`."""
         return [f"mla_dsa_{t}" for t in self.indexer_types]
 
+    def check_layout(self, p: "ParallelConfig") -> None:
+        """What this family runs at today, refused with the value before any allocation."""
+        if self.num_attention_heads % p.tp:
+            raise ConfigError(f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
+                              f"parallel.tp={p.tp}")
+        if self.n_routed_experts % p.ep:
+            valid = [e for e in range(1, self.n_routed_experts + 1) if self.n_routed_experts % e == 0 and e <= 64]
+            raise ConfigError(f"model.n_routed_experts={self.n_routed_experts} is not divisible by parallel.ep={p.ep}; "
+                              f"expert parallel sizes that divide it: {valid}")
+        if p.tp > 1 and self.first_k_dense_replace < self.num_layers:
+            raise ConfigError(f"parallel.tp={p.tp} with MoE layers: Megatron's MoE layer needs sequence parallelism "
+                              "at tp > 1, which the GLM-5.x attention does not do yet; use parallel.tp=1 (ep for "
+                              "the experts)")
+        for name, v in (("pp", p.pp), ("cp", p.cp)):
+            if v != 1:
+                raise ConfigError(f"parallel.{name}={v}: the GLM-5.x family runs at {name}=1 for now")
+
     @property
     def mlp_types(self) -> list[str]:
         return ["dense" if i < self.first_k_dense_replace else "moe" for i in range(self.num_layers)]

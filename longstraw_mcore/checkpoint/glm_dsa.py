@@ -31,6 +31,11 @@ def hf_to_mcore(hf: dict, m) -> tuple[dict, list[str]]:
     out, skipped, used = {}, [], set()
 
     def take(name):
+        if name not in hf:
+            from longstraw_mcore.checkpoint.common import CheckpointError
+
+            raise CheckpointError(f"GLM-5.x checkpoint lacks tensor {name!r} (model.num_layers={m.num_layers}, "
+                                  f"first_k_dense_replace={m.first_k_dense_replace})")
         used.add(name)
         return hf[name]
 
@@ -52,8 +57,15 @@ def hf_to_mcore(hf: dict, m) -> tuple[dict, list[str]]:
         out[dst + "mlp.router.weight"] = take(src + "mlp.gate.weight")
         out[dst + "mlp.router.expert_bias"] = take(src + "mlp.gate.e_score_correction_bias").float()
         # Megatron's SequentialMLP checkpoints its experts stacked on a leading expert axis: HF's layout
-        out[dst + "mlp.experts.experts.linear_fc1.weight"] = take(src + "mlp.experts.gate_up_proj")
-        out[dst + "mlp.experts.experts.linear_fc2.weight"] = take(src + "mlp.experts.down_proj")
+        gu, dn = take(src + "mlp.experts.gate_up_proj"), take(src + "mlp.experts.down_proj")
+        for name, t in (("gate_up_proj", gu), ("down_proj", dn)):
+            if t.shape[0] != m.n_routed_experts:
+                from longstraw_mcore.checkpoint.common import CheckpointError
+
+                raise CheckpointError(f"{src}mlp.experts.{name} holds {t.shape[0]} experts, model.n_routed_experts="
+                                      f"{m.n_routed_experts}")
+        out[dst + "mlp.experts.experts.linear_fc1.weight"] = gu
+        out[dst + "mlp.experts.experts.linear_fc2.weight"] = dn
         sh = src + "mlp.shared_experts."
         out[dst + "mlp.shared_experts.linear_fc1.weight"] = torch.cat([take(sh + "gate_proj.weight"),
                                                                        take(sh + "up_proj.weight")])
@@ -64,5 +76,7 @@ def hf_to_mcore(hf: dict, m) -> tuple[dict, list[str]]:
             if mtp and int(mtp.group(1)) >= m.num_layers:
                 skipped.append(name)
             else:
-                raise KeyError(f"{name}: not in the GLM-5.x mapping table")
+                from longstraw_mcore.checkpoint.common import CheckpointError
+
+                raise CheckpointError(f"{name}: not in the GLM-5.x mapping table")
     return out, skipped

@@ -71,8 +71,6 @@ def transformer_config(m: GlmDsaConfig, p, device: str) -> TransformerConfig:
                             m.n_shared_experts, m.routed_scaling_factor,
                             router_dtype="fp64" if dtype == torch.float64 else "fp32"),
     )
-    if p.pp > 1:
-        raise NotImplementedError("pipeline parallelism for the GLM-5.x family is not built yet; use parallel.pp=1")
     if device == "cpu":
         kwargs.update(cpu_compat.cpu_config_overrides())
     return TransformerConfig(**kwargs)
@@ -228,6 +226,7 @@ def build_model(model_cfg: GlmDsaConfig, parallel, device: str) -> GlmDsaModel:
         float64_routing()  # float64 validation runs route in float64 (models/glm_moe.py)
 
     pc = PC(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=getattr(parallel, "ep", 1))
+    model_cfg.check_layout(pc)  # before anything is allocated
     model = GlmDsaModel(transformer_config(model_cfg, pc, device), model_cfg, parallel.pgs,
                         pre_process=parallel.is_first_stage, post_process=parallel.is_last_stage)
     return model.cuda() if device == "cuda" else model

@@ -150,3 +150,55 @@ def test_equals_transformers_glm_moe_dsa_attention():
         print(f"GLM-5.2 DSA attention ({name}, topk {topk}, {seq} tokens) vs transformers: worst rel {err:.1e}")
         assert err <= 1e-12, (name, err)
         assert all(p.grad is None for p in attn.indexer.parameters())
+
+
+def test_glm_5_2_state_bytes_per_position():
+    """GLM-5.2 in bf16 keeps 95,232 B per prompt position (../shared/notes/architectures.md): the MLA
+    latent + RoPE key (512 + 64) on all 78 layers and the 128-dim indexer key on its 21 full layers."""
+    from longstraw_mcore.families.glm_dsa import glm_5_2
+    from longstraw_mcore.prompt_state.containers import analytic_state_bytes
+
+    m = glm_5_2()
+    assert m.indexer_types.count("full") == 21 and m.mlp_types.count("moe") == 75
+    per = analytic_state_bytes(m, 1, 1)
+    assert per == {"mla_latent": 78 * 576 * 2, "dsa_index_keys": 21 * 128 * 2}
+    assert sum(per.values()) == 95_232
+    total = sum(analytic_state_bytes(m, 1, 2**21).values())
+    print(f"GLM-5.2 prompt state at 2^21 positions: {total / 2**30:.1f} GiB ({total / 32 / 2**30:.2f} GiB per rank "
+          "over 32 sequence shards)")
+    assert round(total / 2**30) == 186
+
+
+def test_glm_bad_input_is_refused_with_the_value():
+    """Before any allocation: top-k <= 0, an EP size that does not divide the experts, a layout the
+    family does not run yet, a checkpoint missing an expert or a tensor."""
+    import pytest
+
+    from longstraw_mcore.checkpoint.common import CheckpointError
+    from longstraw_mcore.checkpoint.glm_dsa import hf_to_mcore
+    from longstraw_mcore.config import ConfigError, ParallelConfig
+    from longstraw_mcore.families.glm_dsa import glm_5_2
+
+    with pytest.raises(ConfigError, match=r"model.index_topk=0: must be a positive integer"):
+        glm_5_2(index_topk=0)
+    m = glm_5_2()
+    with pytest.raises(ConfigError, match=r"n_routed_experts=256 is not divisible by parallel.ep=3; .*\[1, 2, 4"):
+        m.check_layout(ParallelConfig(ep=3))
+    with pytest.raises(ConfigError, match=r"parallel.cp=2: the GLM-5.x family runs at cp=1 for now"):
+        m.check_layout(ParallelConfig(cp=2))
+    m.check_layout(ParallelConfig(ep=8))
+    tiny = glm_5_2(num_layers=2, indexer_types=["full", "shared"], first_k_dense_replace=1, n_routed_experts=4,
+                   num_experts_per_tok=2, hidden_size=4, intermediate_size=4, moe_intermediate_size=2, vocab_size=8)
+    z = torch.zeros(1)
+    hf = {"model.embed_tokens.weight": z, "model.norm.weight": z, "lm_head.weight": z}
+    for i in range(2):
+        hf.update({f"model.layers.{i}.{n}": z for n in ("input_layernorm.weight", "post_attention_layernorm.weight")})
+    hf.update({f"model.layers.0.mlp.{n}.weight": z for n in ("gate_proj", "up_proj", "down_proj")})
+    hf.update({"model.layers.1.mlp.gate.weight": z, "model.layers.1.mlp.gate.e_score_correction_bias": z,
+               "model.layers.1.mlp.experts.gate_up_proj": torch.zeros(3, 4, 4),  # one expert missing
+               "model.layers.1.mlp.experts.down_proj": torch.zeros(3, 4, 2)})
+    with pytest.raises(CheckpointError, match=r"mlp.experts.gate_up_proj holds 3 experts, model.n_routed_experts=4"):
+        hf_to_mcore(hf, tiny)
+    hf.pop("model.layers.1.mlp.gate.weight")
+    with pytest.raises(CheckpointError, match=r"lacks tensor 'model.layers.1.mlp.gate.weight'"):
+        hf_to_mcore(hf, tiny)
