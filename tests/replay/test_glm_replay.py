@@ -7,7 +7,8 @@ query past its fourth position, in the prompt and in the branches).
   per-token log-probs and every parameter gradient <= 1e-10, for G=1 and G=8 with unequal branch
   lengths (1 to 8), capture chunks of 5 and of the whole prompt;
 - detached mode: the same log-probs (the forward is the same) and chunk-size invariance; its gradient
-  differs from exact (the truncation is visible: cosine printed);
+  differs from exact (the truncation is visible: cosine printed); and (second test) it equals the
+  Hugging Face cache reference, an implementation nobody here wrote: log-probs and gradients <= 1e-10;
 - the captured state's bytes == the kinds' analytic formula (latent + RoPE key per position on every
   layer, the indexer key on the 3 full layers).
 """
@@ -103,3 +104,49 @@ def test_glm_replay_exact_equals_full_sequence():
     for measured, analytic in out["bytes"]:
         print(f"GLM state bytes {measured} (analytic {analytic})")
         assert measured == analytic and set(measured) == {"mla_latent", "dsa_index_keys"}
+
+
+def _detached_worker(rank, world_size):
+    from hf_reference import LiftFloat32ToFloat64
+    from test_detached_vs_hf_cache import hf_cache_reference
+    from test_glm_parity import _configs, _hf_model, _ours
+    from test_replay_equivalence import make_group
+
+    from longstraw_mcore.checkpoint.full_state import gather_full, load_full
+    from longstraw_mcore.checkpoint.glm_dsa import hf_to_mcore
+    from longstraw_mcore.config import GRPOConfig, ReplayConfig
+    from longstraw_mcore.loss.grpo import advantages, group_loss_fn
+    from longstraw_mcore.replay.engine import run_group
+
+    hf_cfg, m = _configs(4)
+    with LiftFloat32ToFloat64():
+        hf = _hf_model(hf_cfg, 5)
+    model = _ours(m)
+    load_full(model, hf_to_mcore(dict(hf.state_dict()), m)[0])
+    gcfg = GRPOConfig(beta=0.05)
+    out = []
+    for P, lengths, seed in [(23, [5, 1, 9], 11), (19, [3, 1, 7, 2, 6, 1, 4, 8], 12)]:
+        group = make_group(m, P, lengths, seed)
+        fn = group_loss_fn(group, gcfg, advantages(group.rewards, gcfg))
+        hf.zero_grad(set_to_none=True)
+        ref_lp = hf_cache_reference(hf, group, fn, LiftFloat32ToFloat64)
+        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in hf.named_parameters()}
+        grads.update({n: torch.zeros_like(b) for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")})
+        ref_g = hf_to_mcore(grads, m)[0]
+        model.zero_grad(set_to_none=True)
+        res, _ = run_group(model, group.prompt, group.responses, fn, ReplayConfig(mode="detached", chunk_len=4), tp=1)
+        g = gather_full(model, grads=True)
+        keys = [k for k in ref_g if ref_g[k].abs().max() > 0 and ".indexer." not in k]
+        out.append(dict(P=P, G=len(lengths), logp=max(_rel(r.logprobs, lp) for r, lp in zip(res, ref_lp)),
+                        grad=max(_rel(g[k], ref_g[k]) for k in keys), n=len(keys)))
+    return out
+
+
+def test_glm_detached_equals_hf_cache_reference():
+    """detached == transformers' GlmMoeDsaForCausalLM run on prompt[:-1] under no_grad into its cache
+    (latents and indexer keys), then each branch with autograd on a copy of that cache (lifted to
+    float64): log-probs and every gradient the reference gives <= 1e-10."""
+    for r in run_ranks(_detached_worker, 1, timeout_s=600)[0]:
+        print(f"GLM detached vs HF cache: P={r['P']} G={r['G']}: logp {r['logp']:.1e}, worst of {r['n']} "
+              f"gradients {r['grad']:.1e}")
+        assert r["logp"] <= 1e-10 and r["grad"] <= 1e-10, r
