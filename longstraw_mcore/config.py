@@ -26,8 +26,25 @@ DEVICES = ("cpu", "cuda", "auto")
 FAMILIES = ("qwen3_5",)
 
 
+class _ModelCommon:
+    """What every family's model config derives the same way from `vocab_size`,
+    `make_vocab_size_divisible_by` and `dtype` (no fields of its own)."""
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Megatron's rule: the smallest multiple of make_vocab_size_divisible_by * tp >= vocab_size."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}[self.dtype]
+
+
 @dataclass(kw_only=True)
-class ModelConfig:
+class ModelConfig(_ModelCommon):
     """Dimensions of a Qwen3.6-family hybrid decoder (Gated DeltaNet + gated attention)."""
 
     family: Literal["qwen3_5"] = "qwen3_5"
@@ -91,11 +108,6 @@ class ModelConfig:
             raise ConfigError(f"model.rope_theta={self.rope_theta}, model.rms_norm_eps={self.rms_norm_eps}: "
                               "both must be positive")
 
-    def padded_vocab_size(self, tp: int) -> int:
-        """Megatron's rule: the smallest multiple of make_vocab_size_divisible_by * tp >= vocab_size."""
-        multiple = self.make_vocab_size_divisible_by * tp
-        return -(-self.vocab_size // multiple) * multiple
-
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
@@ -107,13 +119,6 @@ class ModelConfig:
                 for i in range(self.num_layers)]
 
     @property
-    def torch_dtype(self):
-        import torch
-
-        return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-                "float16": torch.float16}[self.dtype]
-
-    @property
     def state_dtype(self):
         """dtype of the GDN decay and recurrent state: at least float32."""
         import torch
@@ -122,7 +127,7 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
-class GlmDsaConfig:
+class GlmDsaConfig(_ModelCommon):
     """Dimensions of a GLM-5.x decoder (`GlmMoeDsaForCausalLM`): MLA attention with DeepSeek Sparse
     Attention (an indexer picks `index_topk` keys per query; IndexShare: "shared" layers reuse the
     previous "full" layer's choice), a dense SwiGLU MLP on the first `first_k_dense_replace` layers and
@@ -194,10 +199,6 @@ class GlmDsaConfig:
         freq = max(freq, 1)
         return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
 
-    def padded_vocab_size(self, tp: int) -> int:
-        multiple = self.make_vocab_size_divisible_by * tp
-        return -(-self.vocab_size // multiple) * multiple
-
     @property
     def layer_types(self) -> list[str]:
         """Per layer (0-based): `mla_dsa_full` (runs its indexer) or `mla_dsa_shared`."""
@@ -223,10 +224,6 @@ class GlmDsaConfig:
     @property
     def mlp_types(self) -> list[str]:
         return ["dense" if i < self.first_k_dense_replace else "moe" for i in range(self.num_layers)]
-
-    @property
-    def torch_dtype(self):
-        return ModelConfig.torch_dtype.fget(self)
 
 
 @dataclass(kw_only=True)

@@ -19,6 +19,9 @@ the sigmoid scores in float32 (`logits.float()`), also in a float64 model.
 
 from __future__ import annotations
 
+import torch
+from torch.overrides import TorchFunctionMode
+
 
 def moe_config_kwargs(num_experts: int, topk: int, moe_ffn_hidden_size: int, n_shared_experts: int,
                       routed_scaling_factor: float, n_group: int = 1, topk_group: int = 1,
@@ -48,23 +51,16 @@ def moe_layer_builder(num_experts: int):
     return get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
 
 
-class _Float64Scores:
-    """While active: `Tensor.float()` and float32 dtype arguments give float64 (a TorchFunctionMode)."""
+class _Float64Scores(TorchFunctionMode):
+    """While active: `Tensor.float()` and float32 dtype arguments give float64."""
 
-    def __init__(self):
-        import torch
-        from torch.overrides import TorchFunctionMode
-
-        class Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                if func is torch.Tensor.float:
-                    return args[0].double()
-                args = tuple(torch.float64 if a is torch.float32 else a for a in args)
-                kwargs = {k: (torch.float64 if v is torch.float32 else v) for k, v in kwargs.items()}
-                return func(*args, **kwargs)
-
-        self.mode = Mode()
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.float:
+            return args[0].double()
+        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        kwargs = {k: (torch.float64 if v is torch.float32 else v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
 
 
 def float64_routing() -> None:
@@ -80,11 +76,9 @@ def float64_routing() -> None:
         return
 
     def routing(logits, *args, **kwargs):
-        import torch
-
         if logits.dtype != torch.float64:
             return orig(logits, *args, **kwargs)
-        with _Float64Scores().mode:
+        with _Float64Scores():
             return orig(logits, *args, **kwargs)
 
     routing._float64 = True

@@ -88,8 +88,7 @@ class _MergedAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q_start, scale, block, sets = ctx.cfg
         n = len(sets)
-        saved = ctx.saved_tensors
-        q, kv, out, lse, flat = saved[0], saved[1:1 + 2 * n], saved[1 + 2 * n], saved[2 + 2 * n], saved[3 + 2 * n:]
+        q, kv, out, lse, flat = plain.unpack_saved(ctx.saved_tensors, n)
         work = plain.work_dtype(q.dtype)
         do, delta, lse_h = plain.backward_terms(dout, dlse, out, lse, work)                 # [B,Hq,T,*]
         kern = _kernel(q)

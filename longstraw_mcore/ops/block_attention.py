@@ -43,6 +43,12 @@ def backward_terms(dout, dlse, out, lse, work):
     return do, delta, lse.to(work).transpose(1, 2)
 
 
+def unpack_saved(saved, n: int):
+    """What a merged-attention node saved for `n` key sets: (q, the 2n key/value tensors, out, lse,
+    whatever it saved after them)."""
+    return saved[0], saved[1:1 + 2 * n], saved[1 + 2 * n], saved[2 + 2 * n], saved[3 + 2 * n:]
+
+
 def merge_partials(parts, shape, work, device):
     """One softmax over several key sets from their partials (O_j [B,H,T,Dv], lse_j [B,H,T], work dtype),
     no autograd: (O, lse); rows that see no key: O = 0, lse = -inf. `shape` is O's, for no parts."""

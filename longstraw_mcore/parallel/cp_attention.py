@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from longstraw_mcore.ops.attention import KeySet, _kernel
-from longstraw_mcore.ops.block_attention import backward_terms, merge_partials, work_dtype
+from longstraw_mcore.ops.block_attention import backward_terms, merge_partials, unpack_saved, work_dtype
 from longstraw_mcore.parallel.cp import CPLayout, rank_pieces
 from longstraw_mcore.parallel.cp_comm import all_reduce_sum, gather_tokens, local_rows
 
@@ -75,8 +75,7 @@ class _ReplayAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q_start, scale, block, layout, sets = ctx.cfg
         n = len(sets)
-        saved = ctx.saved_tensors
-        q, kv, out, lse = saved[0], saved[1:1 + 2 * n], saved[1 + 2 * n], saved[2 + 2 * n]
+        q, kv, out, lse, _ = unpack_saved(ctx.saved_tensors, n)
         work = work_dtype(q.dtype)
         do, delta, lse_h = backward_terms(dout, dlse, out, lse, work)
         kern = _kernel(q)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from longstraw_mcore.ops.attention import KeySet, _kernel
-from longstraw_mcore.ops.block_attention import backward_terms, merge_partials, work_dtype
+from longstraw_mcore.ops.block_attention import backward_terms, merge_partials, unpack_saved, work_dtype
 from longstraw_mcore.ops.scale_grad import scale_grad
 from longstraw_mcore.parallel.cp_attention import _merge_ranks
 from longstraw_mcore.parallel.cp_comm import all_reduce_sum, gather_dim
@@ -140,8 +140,7 @@ class _GroupAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q_start, scale, block, kv, sets = ctx.cfg
         n = len(sets)
-        saved = ctx.saved_tensors
-        q, kv_t, out, lse = saved[0], saved[1:1 + 2 * n], saved[1 + 2 * n], saved[2 + 2 * n]
+        q, kv_t, out, lse, _ = unpack_saved(ctx.saved_tensors, n)
         kern = _kernel(q)
         work = work_dtype(q.dtype)
         do, delta, lse_h = backward_terms(dout, dlse, out, lse, work)                        # [B,h,T,*]

@@ -21,16 +21,13 @@ import torch
 
 from longstraw_mcore.ops.attention import KeySet
 from longstraw_mcore.parallel.cp import local_count, local_positions
-from longstraw_mcore.prompt_state.base import LayerState, grad_dtype
+from longstraw_mcore.prompt_state.base import LayerState, element_size, grad_dtype
 
 
 def _heads(m, tp: int) -> int:
     """KV heads a TP rank holds: Hk / tp, or one (shared with its KV group) when tp exceeds Hk."""
     return max(m.num_key_value_heads // tp, 1)
 
-
-def _elt(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 class AttentionKV(LayerState):
@@ -157,13 +154,13 @@ class AttentionKV(LayerState):
     def analytic_bytes(cls, m, tp: int, captured: int, exact_chunks: int, batch: int = 1, cp: int = 1) -> dict[str, int]:
         """`captured`: the positions this rank holds (its zig-zag share under context parallelism, or
         in a KV group when tp exceeds the KV heads: parallel/cp.py)."""
-        return {"attention_kv": 2 * _heads(m, tp) * m.head_dim * captured * _elt(m.torch_dtype) * batch}
+        return {"attention_kv": 2 * _heads(m, tp) * m.head_dim * captured * element_size(m.torch_dtype) * batch}
 
     @classmethod
     def analytic_grad_bytes(cls, m, tp: int, captured: int) -> int:
-        return 2 * _heads(m, tp) * m.head_dim * captured * _elt(grad_dtype(m.torch_dtype))
+        return 2 * _heads(m, tp) * m.head_dim * captured * element_size(grad_dtype(m.torch_dtype))
 
     @classmethod
     def probs_bytes(cls, m, tp: int, batch: int, tokens: int, captured: int) -> int:
         """A branch's attention probabilities over the prompt when kept for the backward (>= float32)."""
-        return (m.num_attention_heads // tp) * batch * tokens * captured * _elt(grad_dtype(m.torch_dtype))
+        return (m.num_attention_heads // tp) * batch * tokens * captured * element_size(grad_dtype(m.torch_dtype))

@@ -81,6 +81,11 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes per element of `dtype` (the analytic memory terms of every kind)."""
+    return torch.empty(0, dtype=dtype).element_size()
+
+
 def storage_bytes(tensors, seen: set[int] | None = None) -> int:
     """Bytes of the distinct storages behind `tensors` (each counted once, also across calls with the
     same `seen`); what memory really holds, not what the views show."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from longstraw_mcore.models.mixers.state import GDNState
-from longstraw_mcore.prompt_state.base import LayerState, grad_dtype, own_storage
+from longstraw_mcore.prompt_state.base import LayerState, element_size, grad_dtype, own_storage
 
 
 def _leaves(st: GDNState) -> GDNState:
@@ -169,7 +169,7 @@ class GDNRecurrentState(LayerState):
         """The final state is whole on every rank; under context parallelism the chunk boundaries are
         head shards (1/cp each)."""
         conv, rec = cls._elements(m, tp)
-        per = (conv * _elt(m.torch_dtype) + rec * _elt(m.state_dtype)) * batch
+        per = (conv * element_size(m.torch_dtype) + rec * element_size(m.state_dtype)) * batch
         return {"gdn_state": per if captured > 0 else 0,
                 "gdn_chunk_boundaries": per // cp * max(exact_chunks - 1, 0)}
 
@@ -181,8 +181,5 @@ class GDNRecurrentState(LayerState):
             return 0
         conv, rec = cls._elements(m, tp)
         copies = conv if grad_dtype(m.torch_dtype) != m.torch_dtype else 0
-        return (conv + rec + copies) * _elt(grad_dtype(m.torch_dtype))
+        return (conv + rec + copies) * element_size(grad_dtype(m.torch_dtype))
 
-
-def _elt(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longstraw_mcore.prompt_state.base import LayerState, grad_dtype
+from longstraw_mcore.prompt_state.base import LayerState, element_size, grad_dtype
 
 
 @dataclass
@@ -47,9 +47,6 @@ def _cat(a, b):
         a = a.expand(b.shape[0], *a.shape[1:])
     return torch.cat([a, b.to(a.dtype)], 1)
 
-
-def _elt(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 class MLALatentState(LayerState):
@@ -139,7 +136,7 @@ class MLALatentState(LayerState):
 
     @classmethod
     def analytic_bytes(cls, m, tp: int, captured: int, exact_chunks: int, batch: int = 1, cp: int = 1) -> dict:
-        e = _elt(m.torch_dtype)
+        e = element_size(m.torch_dtype)
         out = {"mla_latent": (m.kv_lora_rank + m.qk_rope_head_dim) * captured * e * batch}
         if cls.indexer:
             out["dsa_index_keys"] = m.index_head_dim * captured * e * batch
@@ -150,7 +147,7 @@ class MLALatentState(LayerState):
         """The float32 leaves' gradients, and the float32 leaf copies when the model dtype is narrower."""
         n = (m.kv_lora_rank + m.qk_rope_head_dim) * captured
         copies = n if grad_dtype(m.torch_dtype) != m.torch_dtype else 0
-        return (n + copies) * _elt(grad_dtype(m.torch_dtype))
+        return (n + copies) * element_size(grad_dtype(m.torch_dtype))
 
 
 class MLAIndexerState(MLALatentState):

@@ -24,6 +24,7 @@ peak of an exact-mode group step at CP=2 grows from G=2 to G=8 by less than one 
 from __future__ import annotations
 
 import torch
+from layout_compare import check_steps, compare, rel
 
 from longstraw_mcore.launch_local import run_ranks
 
@@ -105,18 +106,6 @@ def _captured(m, full, prompt, tp, cp, mode):
     return every, gdn, st.nbytes_by_type()["attention_kv"], par.pgs.tp.rank()
 
 
-def rel(a, b) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
-
-
-def _compare(ref, got):
-    (rg, rgrad, _), (gg, ggrad, _) = ref, got
-    loss = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(gg, rg))
-    logp = max(abs(x - y) for a, b in zip(gg, rg) for la, lb in zip(a[1], b[1]) for x, y in zip(la, lb))
-    grad = max(rel(ggrad[k], rgrad[k]) for k in rgrad)
-    return dict(loss=loss, logp=logp, grad=grad)
-
-
 def _memory(m, full):
     """CP=2: per-rank K/V bytes with chunks divisible by 2 x CP, and the peak of a group step at G=2, 8."""
     from group_peaks import group_peaks
@@ -152,7 +141,7 @@ def _worker(rank, world_size, layouts, memory=False):
     for mode in ("detached", "exact"):
         ref = _step(m, full, groups, 1, 1, mode)
         for name, tp, cp in layouts:
-            out["steps"][(name, mode)] = _compare(ref, _step(m, full, groups, tp, cp, mode))
+            out["steps"][(name, mode)] = compare(ref, _step(m, full, groups, tp, cp, mode))
     prompt = groups[1].prompt
     ref_every, ref_gdn, ref_bytes, _ = _captured(m, full, prompt, 1, 1, "exact")
     ref_k = {n: (torch.stack([k for k in kvs[1]]), kvs[2]) for n, kvs in ref_every[0][1].items()}
@@ -181,10 +170,7 @@ def _worker(rank, world_size, layouts, memory=False):
 
 def _check(outs):
     for rank, out in enumerate(outs):
-        for (name, mode), r in out["steps"].items():
-            if rank == 0:
-                print(f"{name} {mode}: loss {r['loss']:.1e}, logp {r['logp']:.1e}, worst grad {r['grad']:.1e}")
-            assert r["loss"] <= 1e-10 and r["logp"] <= 1e-10 and r["grad"] <= 1e-10, (name, mode, r)
+        check_steps(out["steps"], rank)
         for name, r in out["capture"].items():
             if rank == 0:
                 print(f"{name} capture: state vs single rank {r['kv']:.1e}; K/V bytes on this rank {r['bytes']} "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from layout_compare import rel
 
 from longstraw_mcore.launch_local import run_ranks
 
@@ -89,9 +90,6 @@ def _run(layer, moe, x, gy, lifted: bool):
     return ref.detach(), out.detach(), xs
 
 
-def _rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
-
 
 def _worker(rank, world_size):
     out = {}
@@ -106,20 +104,20 @@ def _worker(rank, world_size):
         gy = torch.randn(x.shape, generator=gen, dtype=D64)
         ref, got, xs = _run(layer, moe, x, gy, lifted=True)
         lo = ep_group.rank() * local
-        errs = {"output": _rel(got, ref), "input grad": _rel(xs[1].grad, xs[0].grad),
-                "router grad": _rel(layer.router.weight.grad, moe.gate.weight.grad)}
+        errs = {"output": rel(got, ref), "input grad": rel(xs[1].grad, xs[0].grad),
+                "router grad": rel(layer.router.weight.grad, moe.gate.weight.grad)}
         for j, ex in enumerate(layer.experts.local_experts):
             if moe.experts.gate_up_proj.grad[lo + j].abs().max() > 0:  # experts no token chose have none
                 # an expert serves the tokens of every EP rank: here ep copies of the same tokens
-                errs[f"expert {lo + j} fc1 grad"] = _rel(ex.linear_fc1.weight.grad,
+                errs[f"expert {lo + j} fc1 grad"] = rel(ex.linear_fc1.weight.grad,
                                                          ep * moe.experts.gate_up_proj.grad[lo + j])
-                errs[f"expert {lo + j} fc2 grad"] = _rel(ex.linear_fc2.weight.grad, ep * moe.experts.down_proj.grad[lo + j])
+                errs[f"expert {lo + j} fc2 grad"] = rel(ex.linear_fc2.weight.grad, ep * moe.experts.down_proj.grad[lo + j])
         sh = moe.shared_experts
-        errs["shared fc1 grad"] = _rel(layer.shared_experts.linear_fc1.weight.grad,
+        errs["shared fc1 grad"] = rel(layer.shared_experts.linear_fc1.weight.grad,
                                        torch.cat([sh.gate_proj.weight.grad, sh.up_proj.weight.grad]))
         raw_ref, raw_got, _ = _run(layer, moe, x, None, lifted=False)
         out[ep] = dict(worst=max(errs.values()), which=max(errs, key=errs.get), n=len(errs),
-                       raw=_rel(raw_got, raw_ref),
+                       raw=rel(raw_got, raw_ref),
                        bias_grad=layer.router.expert_bias.grad is None)
     # control: the bias changes the choice for some token (so the test sees it steer)
     with torch.no_grad():

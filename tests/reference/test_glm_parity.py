@@ -14,6 +14,7 @@ load_full (the HF MTP layer is skipped and counted); the indexer and the router 
 from __future__ import annotations
 
 import torch
+from layout_compare import rel
 
 from longstraw_mcore.launch_local import run_ranks
 
@@ -58,8 +59,11 @@ def _hf_model(cfg, seed):
     return model
 
 
-def _ours(m):
+def build_glm(m, tp: int = 1, ep: int = 1):
+    """(our GLM model, its layout) on freshly initialised Megatron groups of this world."""
     from types import SimpleNamespace
+
+    import torch.distributed as dist
 
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -70,14 +74,12 @@ def _ours(m):
     cpu_compat.enable("cpu")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
-    par = SimpleNamespace(tp=1, pp=1, cp=1, ep=1, pgs=pgs, is_first_stage=True, is_last_stage=True)
-    return build_model(m, par, "cpu")
+    par = SimpleNamespace(tp=tp, pp=1, cp=1, ep=ep, pgs=pgs, is_first_stage=True, is_last_stage=True,
+                          dp=dist.get_world_size() // tp)
+    return build_model(m, par, "cpu"), par
 
-
-def _rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
 def _worker(rank, world_size):
@@ -92,7 +94,7 @@ def _worker(rank, world_size):
         hf_cfg, m = _configs(topk)
         with LiftFloat32ToFloat64():  # built under it too: RoPE's inverse frequencies are made at construction
             hf = _hf_model(hf_cfg, seed)
-        model = _ours(m)
+        model = build_glm(m)[0]
         state = {n: t for n, t in hf.state_dict().items()}
         state["model.layers.4.eh_proj.weight"] = torch.zeros(1)  # an MTP tensor: skipped, counted
         tensors, skipped = hf_to_mcore(state, m)
@@ -122,12 +124,12 @@ def _worker(rank, world_size):
         hf_grads.update({n: torch.zeros_like(b) for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")})
         want, _ = hf_to_mcore(hf_grads, m)
         own = gather_full(model, grads=True)
-        errs = {"logits": _rel(got.detach(), ref.detach())}
+        errs = {"logits": rel(got.detach(), ref.detach())}
         for n, g in want.items():
             if n.endswith("expert_bias") or ".indexer." in n:
                 continue
             if g.abs().max() > 0:
-                errs[n] = _rel(own[n], g)
+                errs[n] = rel(own[n], g)
         no_grad = all(p.grad is None for n, p in model.named_parameters() if ".indexer." in n)
         out[name] = dict(worst=max(errs.values()), which=max(errs, key=errs.get), n=len(errs), skipped=skipped,
                          min_gap=min(gaps) if gaps else None, indexer_no_grad=no_grad)

@@ -19,36 +19,17 @@ import os
 import sys
 
 import torch
+from layout_compare import rel
 
 from longstraw_mcore.launch_local import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "reference"))
 
 
-def _rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
-
-
-def _run(model, fn_runner, group, gcfg):
-    from longstraw_mcore.loss.grpo import advantages, group_loss_fn
-
-    fn = group_loss_fn(group, gcfg, advantages(group.rewards, gcfg))
-    losses = []
-
-    def tracking(b, lp):
-        loss, stats = fn(b, lp)
-        losses.append(float(loss.detach()))
-        return loss, stats
-
-    model.zero_grad(set_to_none=True)
-    lps = fn_runner(tracking)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return sum(losses), lps, grads
-
 
 def _worker(rank, world_size):
-    from test_glm_parity import _configs, _hf_model, _ours
-    from test_replay_equivalence import make_group
+    from test_glm_parity import _configs, _hf_model, build_glm
+    from test_replay_equivalence import grads_and_loss, make_group
 
     from longstraw_mcore.checkpoint.full_state import load_full
     from longstraw_mcore.checkpoint.glm_dsa import hf_to_mcore
@@ -58,32 +39,33 @@ def _worker(rank, world_size):
     from longstraw_mcore.replay.reference import full_sequence_branches
 
     hf_cfg, m = _configs(4)
-    model = _ours(m)
+    model = build_glm(m)[0]
     load_full(model, hf_to_mcore(dict(_hf_model(hf_cfg, 5).state_dict()), m)[0])
     gcfg = GRPOConfig(beta=0.05)
     out = {"exact": [], "detached": [], "bytes": []}
     for P, lengths, seed in [(23, [6], 1), (19, [3, 1, 7, 2, 6, 1, 4, 8], 2)]:
         group = make_group(m, P, lengths, seed)
-        ref = _run(model, lambda fn: full_sequence_branches(model, group.prompt, group.responses, fn), group, gcfg)
+        ref = grads_and_loss(model, group, gcfg,
+                             lambda fn: full_sequence_branches(model, group.prompt, group.responses, fn))
         for chunk in (5, P - 1):
             got = {}
             for mode in ("exact", "detached"):
                 cfg = ReplayConfig(mode=mode, chunk_len=chunk)
-                got[mode] = _run(model, lambda fn: [r.logprobs for r in run_group(
-                    model, group.prompt, group.responses, fn, cfg, tp=1)[0]], group, gcfg)
+                got[mode] = grads_and_loss(model, group, gcfg, lambda fn: [r.logprobs for r in run_group(
+                    model, group.prompt, group.responses, fn, cfg, tp=1)[0]])
             (l, lp, g), (_, lpd, gd) = got["exact"], got["detached"]
             out["exact"].append(dict(P=P, G=len(lengths), chunk=chunk, loss=abs(l - ref[0]) / abs(ref[0]),
-                                     logp=max(_rel(a, b) for a, b in zip(lp, ref[1])),
-                                     grad=max(_rel(g[k], ref[2][k]) for k in ref[2]), n=len(ref[2])))
+                                     logp=max(rel(a, b) for a, b in zip(lp, ref[1])),
+                                     grad=max(rel(g[k], ref[2][k]) for k in ref[2]), n=len(ref[2])))
             num = sum(float((gd[k] * g[k]).sum()) for k in g)
             den = (sum(float((gd[k] ** 2).sum()) for k in gd) * sum(float((g[k] ** 2).sum()) for k in g)) ** 0.5
-            out["detached"].append(dict(P=P, chunk=chunk, logp=max(_rel(a, b) for a, b in zip(lpd, ref[1])),
+            out["detached"].append(dict(P=P, chunk=chunk, logp=max(rel(a, b) for a, b in zip(lpd, ref[1])),
                                         cosine=num / den, grads=gd))
         st = capture(model, torch.tensor([group.prompt[:-1]]), ReplayConfig(chunk_len=5))
         out["bytes"].append((st.nbytes_by_type(), analytic_state_bytes(m, 1, P - 1)))
     # chunk-size invariance of the detached gradient, then drop the tensors
     pairs = [(out["detached"][i]["grads"], out["detached"][i + 1]["grads"]) for i in (0, 2)]
-    out["detached_chunk"] = max(_rel(a[k], b[k]) for a, b in pairs for k in a)
+    out["detached_chunk"] = max(rel(a[k], b[k]) for a, b in pairs for k in a)
     for d in out["detached"]:
         d.pop("grads")
     return out
@@ -109,7 +91,7 @@ def test_glm_replay_exact_equals_full_sequence():
 def _detached_worker(rank, world_size):
     from hf_reference import LiftFloat32ToFloat64
     from test_detached_vs_hf_cache import hf_cache_reference
-    from test_glm_parity import _configs, _hf_model, _ours
+    from test_glm_parity import _configs, _hf_model, build_glm
     from test_replay_equivalence import make_group
 
     from longstraw_mcore.checkpoint.full_state import gather_full, load_full
@@ -121,7 +103,7 @@ def _detached_worker(rank, world_size):
     hf_cfg, m = _configs(4)
     with LiftFloat32ToFloat64():
         hf = _hf_model(hf_cfg, 5)
-    model = _ours(m)
+    model = build_glm(m)[0]
     load_full(model, hf_to_mcore(dict(hf.state_dict()), m)[0])
     gcfg = GRPOConfig(beta=0.05)
     out = []
@@ -137,8 +119,8 @@ def _detached_worker(rank, world_size):
         res, _ = run_group(model, group.prompt, group.responses, fn, ReplayConfig(mode="detached", chunk_len=4), tp=1)
         g = gather_full(model, grads=True)
         keys = [k for k in ref_g if ref_g[k].abs().max() > 0 and ".indexer." not in k]
-        out.append(dict(P=P, G=len(lengths), logp=max(_rel(r.logprobs, lp) for r, lp in zip(res, ref_lp)),
-                        grad=max(_rel(g[k], ref_g[k]) for k in keys), n=len(keys)))
+        out.append(dict(P=P, G=len(lengths), logp=max(rel(r.logprobs, lp) for r, lp in zip(res, ref_lp)),
+                        grad=max(rel(g[k], ref_g[k]) for k in keys), n=len(keys)))
     return out
 
 
