@@ -77,6 +77,8 @@ def main(argv=None) -> int:
 
     # Megatron warns at import that TE / apex / absl are absent; on CPU that is the expected set-up.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.|$)")
+    # Megatron 0.19 still calls all_gather_into_tensor, which torch >= 2.12 marks deprecated
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     args = build_parser().parse_args(argv)
     from longstraw_mcore.checkpoint.common import CheckpointError
     from longstraw_mcore.commands.common import is_rank0

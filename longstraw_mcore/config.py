@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 RUN_DTYPES = ("float32", "float64", "bfloat16")
 DEVICES = ("cpu", "cuda", "auto")
-FAMILIES = ("qwen3_5",)
+FAMILIES = ("qwen3_5", "glm_dsa")
 
 
 class _ModelCommon:
@@ -83,7 +83,7 @@ class ModelConfig(_ModelCommon):
     training default is 128, which configs/qwen3.6-27b.yaml sets)."""
 
     def __post_init__(self) -> None:
-        _check_choice("model.family", self.family, FAMILIES)
+        _check_choice("model.family", self.family, ("qwen3_5",))
         _check_choice("model.dtype", self.dtype, DTYPES)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "full_attention_interval",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
@@ -107,6 +107,15 @@ class ModelConfig(_ModelCommon):
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ConfigError(f"model.rope_theta={self.rope_theta}, model.rms_norm_eps={self.rms_norm_eps}: "
                               "both must be positive")
+
+    def describe(self) -> str:
+        """One line of what the layers are, for logs."""
+        t = self.layer_types
+        return (f"{self.num_layers} layers ({t.count('linear_attention')} Gated DeltaNet + "
+                f"{t.count('full_attention')} gated attention), hidden {self.hidden_size}")
+
+    def check_layout(self, p: "ParallelConfig") -> None:
+        validate_layout(self, p)
 
     @property
     def rotary_dim(self) -> int:
@@ -149,8 +158,13 @@ class GlmDsaConfig(_ModelCommon):
     index_n_heads: int
     index_head_dim: int
     index_topk: int
-    indexer_types: list[str]
-    """Per layer: "full" (runs the indexer) or "shared" (reuses the previous full layer's top-k)."""
+    indexer_types: list[str] | None = None
+    """Per layer: "full" (runs the indexer) or "shared" (reuses the previous full layer's top-k).
+    None: from the IndexShare schedule below, as transformers derives it."""
+    index_topk_freq: int = 1
+    """IndexShare: every `freq`-th layer past the offset runs its indexer (GLM-5.2: 4; 1 = every layer)."""
+    index_skip_topk_offset: int = 2
+    """IndexShare: the layers before it all run their indexer (GLM-5.2: 3)."""
     first_k_dense_replace: int
     n_routed_experts: int
     num_experts_per_tok: int
@@ -182,6 +196,12 @@ class GlmDsaConfig(_ModelCommon):
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
             raise ConfigError(f"model.qk_rope_head_dim={self.qk_rope_head_dim}: must be even and at most "
                               f"model.index_head_dim={self.index_head_dim} (the indexer rotates that many dims)")
+        if self.indexer_types is None:
+            if self.index_topk_freq < 1 or self.index_skip_topk_offset < 0:
+                raise ConfigError(f"model.index_topk_freq={self.index_topk_freq}, model.index_skip_topk_offset="
+                                  f"{self.index_skip_topk_offset}: need freq >= 1 and offset >= 0")
+            self.indexer_types = self.index_share_schedule(self.num_layers, self.index_topk_freq,
+                                                           self.index_skip_topk_offset)
         types = list(self.indexer_types)
         if len(types) != self.num_layers or any(t not in ("full", "shared") for t in types) or \
                 (types and types[0] != "full"):
@@ -220,6 +240,16 @@ class GlmDsaConfig(_ModelCommon):
         for name, v in (("pp", p.pp), ("cp", p.cp)):
             if v != 1:
                 raise ConfigError(f"parallel.{name}={v}: the GLM-5.x family runs at {name}=1 for now")
+        if self.num_layers < p.pp:
+            raise ConfigError(f"parallel.pp={p.pp} exceeds model.num_layers={self.num_layers}")
+        p.stage_layers(self.num_layers)
+
+    def describe(self) -> str:
+        """One line of what the layers are, for logs."""
+        t, k = self.indexer_types, self.mlp_types
+        return (f"{self.num_layers} MLA/DSA layers ({t.count('full')} full indexer + {t.count('shared')} shared; "
+                f"{k.count('dense')} dense + {k.count('moe')} MoE of {self.n_routed_experts} experts, top "
+                f"{self.num_experts_per_tok}), hidden {self.hidden_size}")
 
     @property
     def mlp_types(self) -> list[str]:
@@ -370,7 +400,8 @@ class TrainConfig:
 class RunConfig:
     """Everything one `longstraw` invocation needs."""
 
-    model: ModelConfig
+    model: ModelConfig | GlmDsaConfig
+    """The model; its `family` key picks the dataclass (qwen3_5 when absent)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
@@ -381,7 +412,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check_choice("device", self.device, DEVICES)
-        validate_layout(self.model, self.parallel)
+        self.model.check_layout(self.parallel)
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -391,8 +422,10 @@ class RunConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:
+def validate_layout(m: ModelConfig | GlmDsaConfig, p: ParallelConfig) -> None:
     """Check that the model splits over the layout; errors name both numbers."""
+    if not isinstance(m, ModelConfig):
+        return m.check_layout(p)
     tp = p.tp
     checks = [
         ("model.num_attention_heads", m.num_attention_heads),
@@ -451,7 +484,9 @@ def _dataclass_from_dict(cls, data: dict, where: str):
     for name, value in data.items():
         typ = hints[name]
         path = f"{where}.{name}" if where else name
-        if dataclasses.is_dataclass(typ):
+        if typ == ModelConfig | GlmDsaConfig:
+            kwargs[name] = model_config_from_dict(value, path)
+        elif dataclasses.is_dataclass(typ):
             kwargs[name] = _dataclass_from_dict(typ, value, path)
         else:
             kwargs[name] = _coerce(typ, value, path)
@@ -527,9 +562,17 @@ def config_to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def model_config_from_dict(d: dict) -> ModelConfig:
-    return _dataclass_from_dict(ModelConfig, d, "model")
+MODEL_CONFIGS = {"qwen3_5": ModelConfig, "glm_dsa": GlmDsaConfig}
 
 
-__all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "ReplayConfig", "GRPOConfig", "TrainConfig", "RunConfig", "load_config", "apply_overrides",
+def model_config_from_dict(d: dict, where: str = "model") -> ModelConfig | GlmDsaConfig:
+    """The family's model config (`family` picks it; qwen3_5 when absent)."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(d).__name__}")
+    family = d.get("family", "qwen3_5")
+    _check_choice(f"{where}.family", family, tuple(MODEL_CONFIGS))
+    return _dataclass_from_dict(MODEL_CONFIGS[family], d, where)
+
+
+__all__ = ["ConfigError", "ModelConfig", "GlmDsaConfig", "ParallelConfig", "ReplayConfig", "GRPOConfig", "TrainConfig", "RunConfig", "load_config", "apply_overrides",
            "validate_layout", "config_to_dict", "model_config_from_dict"]

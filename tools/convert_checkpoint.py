@@ -34,11 +34,9 @@ def main(argv=None) -> int:
 
     try:
         if args.cmd == "hf-to-mcore":
-            if args.ep != 1:
-                raise ConfigError(f"--ep {args.ep}: the qwen3_5 family has no experts; use --ep 1")
             from longstraw_mcore.checkpoint.convert import hf_to_mcore_dir
 
-            hf_to_mcore_dir(args.src, args.dst, tp=args.tp, pp=args.pp)
+            hf_to_mcore_dir(args.src, args.dst, tp=args.tp, pp=args.pp, ep=args.ep)
         else:
             from longstraw_mcore.checkpoint.convert import mcore_to_hf_dir
 

@@ -25,32 +25,34 @@ from longstraw_mcore.config import ConfigError, ModelConfig, ParallelConfig, val
 from longstraw_mcore.families import get_family, read_hf_config
 
 
-def check_target_layout(m: ModelConfig, tp: int, pp: int) -> None:
-    validate_layout(m, ParallelConfig(tp=tp, pp=pp))
+def check_target_layout(m: ModelConfig, tp: int, pp: int, ep: int = 1) -> None:
+    validate_layout(m, ParallelConfig(tp=tp, pp=pp, ep=ep))
     if m.num_layers % pp:
         raise ConfigError(f"--pp {pp}: model.num_layers={m.num_layers} is not divisible by it")
 
 
-def hf_to_mcore_dir(src: str | Path, dst: str | Path, tp: int = 1, pp: int = 1, log=print) -> dict:
+def hf_to_mcore_dir(src: str | Path, dst: str | Path, tp: int = 1, pp: int = 1, ep: int = 1, log=print) -> dict:
     m, raw = read_hf_config(src)
     mapping = get_family(m.family).mapping
-    check_target_layout(m, tp, pp)
+    check_target_layout(m, tp, pp, ep)
     tensors, skipped = read_tensors(src)
     canonical = mapping.hf_to_mcore(tensors, m, where=str(src))
-    unused = sorted(set(tensors) - set(mapping.hf_shapes(m)))
+    skipped = skipped + mapping.skipped_names(tensors, m)
+    unused = sorted(set(tensors) - set(mapping.hf_shapes(m)) - set(skipped))
     if unused:
         raise CheckpointError(f"{src}: tensor(s) {unused[:5]} are not part of a {m.family} text decoder of this "
                               "config (wrong config.json?)")
-    text_only = "Qwen3_5ForCausalLM" in (raw.get("architectures") or [])
+    # the original config.json goes back out unless it describes more than the decoder (a VLM's)
+    text_only = m.family != "qwen3_5" or "Qwen3_5ForCausalLM" in (raw.get("architectures") or [])
     if skipped:
-        log(f"[convert] skipped {len(skipped)} tensors outside the text decoder "
-            f"(vision tower / MTP), e.g. {skipped[:3]}")
+        log(f"[convert] skipped {len(skipped)} tensors outside the decoder "
+            f"(vision tower / multi-token prediction), e.g. {skipped[:3]}")
     _init_cpu_process()
     save_full_tensors(canonical, dst, m, extra={"hf_config": raw if text_only else None, "source": str(src),
-                                                "target_layout": {"tp": tp, "pp": pp}})
+                                                "target_layout": {"tp": tp, "pp": pp, "ep": ep}})
     nbytes = sum(t.numel() * t.element_size() for t in canonical.values())
-    log(f"[convert] wrote {len(canonical)} tensors ({nbytes / 2**30:.3f} GiB) to {dst}; loads at any tp/pp "
-        f"(checked for tp={tp}, pp={pp})")
+    log(f"[convert] wrote {len(canonical)} tensors ({nbytes / 2**30:.3f} GiB) to {dst}; loads at any tp/pp/ep "
+        f"(checked for tp={tp}, pp={pp}, ep={ep})")
     return {"tensors": len(canonical), "bytes": nbytes, "skipped": skipped}
 
 
@@ -95,12 +97,15 @@ def load_hf_into_model(model, src: str | Path, expect: ModelConfig | None = None
     if expect is not None:
         _check_same_dims(m, expect, src)
     tensors, skipped = read_tensors(src)
-    load_full(model, get_family(m.family).mapping.LazyCanonical(tensors, m, where=str(src)))
-    return skipped
+    mapping = get_family(m.family).mapping
+    load_full(model, mapping.LazyCanonical(tensors, m, where=str(src)))
+    return skipped + mapping.skipped_names(tensors, m)
 
 
 def _check_same_dims(m: ModelConfig, expect: ModelConfig, src) -> None:
-    ignore = {"dtype", "gdn_chunk_size", "attention_block", "make_vocab_size_divisible_by"}
+    # run-time choices, and the IndexShare parameters (the per-layer `indexer_types` they give are compared)
+    ignore = {"dtype", "gdn_chunk_size", "attention_block", "make_vocab_size_divisible_by", "index_topk_freq",
+              "index_skip_topk_offset"}
     a, b = dataclasses.asdict(m), dataclasses.asdict(expect)
     diff = {k: (a[k], b[k]) for k in a if k not in ignore and a[k] != b[k]}
     if diff:

@@ -169,9 +169,17 @@ def hf_config_dict(m: ModelConfig) -> dict:
     }
 
 
-def write_hf(path: str | Path, tensors: dict[str, torch.Tensor], m: ModelConfig, config: dict | None = None) -> Path:
-    """Write config.json (`config`, or one made from `m`) + model.safetensors atomically (temp dir,
-    then rename). Refuses to overwrite a non-empty directory."""
+def _config_for(m) -> dict:
+    if m.family == "qwen3_5":
+        return hf_config_dict(m)
+    from longstraw_mcore.families import get_family
+
+    return get_family(m.family).mapping.hf_config_dict(m)
+
+
+def write_hf(path: str | Path, tensors: dict[str, torch.Tensor], m, config: dict | None = None) -> Path:
+    """Write config.json (`config`, or one made from `m` by its family) + model.safetensors atomically
+    (temp dir, then rename). Refuses to overwrite a non-empty directory."""
     from safetensors.torch import save_file
 
     dst = Path(path)
@@ -182,7 +190,7 @@ def write_hf(path: str | Path, tensors: dict[str, torch.Tensor], m: ModelConfig,
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config if config is not None else hf_config_dict(m), indent=2))
+        (tmp / "config.json").write_text(json.dumps(config if config is not None else _config_for(m), indent=2))
         if dst.exists():
             dst.rmdir()
         os.replace(tmp, dst)

@@ -1,9 +1,5 @@
-"""Hugging Face <-> Megatron mapping for the Qwen3.5/3.6 text decoder: one table, both directions.
-
-Megatron names are the *canonical* keys of `model.sharded_state_dict()`: TP-independent, global
-layer numbers, full (unsharded) tensors. Each rule maps a tuple of HF tensors to a tuple of Megatron
-tensors through a named transform and its inverse; `hf_to_mcore` and `mcore_to_hf` both read the
-same table, so a round trip is bit-exact by construction (only views, cat and split; no casts).
+"""Hugging Face <-> Megatron mapping for the Qwen3.5/3.6 text decoder: one table (checkpoint/rule_table.py),
+both directions, bit-exact round trip.
 
     transform        HF -> Megatron                                  why
     identity         x -> x
@@ -16,52 +12,22 @@ same table, so a round trip is bit-exact by construction (only views, cat and sp
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
+from longstraw_mcore.checkpoint import rule_table
 from longstraw_mcore.checkpoint.common import CheckpointError, shape_of  # noqa: F401 - re-exported
+from longstraw_mcore.checkpoint.rule_table import Rule
 from longstraw_mcore.config import ModelConfig
 
 
-@dataclass(frozen=True)
-class Rule:
-    hf: tuple[str, ...]
-    mcore: tuple[str, ...]
-    transform: str
-
-
-def _sizes(m: ModelConfig) -> list[int]:
+def _sizes(m: ModelConfig) -> tuple[int, ...]:
     key_dim = m.linear_num_key_heads * m.linear_key_head_dim
-    return [key_dim, key_dim, m.linear_num_value_heads * m.linear_value_head_dim]
-
-
-def _forward(transform: str, m: ModelConfig) -> Callable[[list], list]:
-    if transform == "identity":
-        return lambda xs: list(xs)
-    if transform == "concat_rows":
-        return lambda xs: [torch.cat(xs, dim=0)]
-    if transform == "split_rows":
-        return lambda xs: list(torch.split(xs[0], _sizes(m), dim=0))
-    if transform == "split_conv":
-        return lambda xs: [t.squeeze(1) for t in torch.split(xs[0], _sizes(m), dim=0)]
-    raise KeyError(transform)
-
-
-def _inverse(transform: str, m: ModelConfig, hf_rows: list[int]) -> Callable[[list], list]:
-    if transform == "identity":
-        return lambda xs: list(xs)
-    if transform == "concat_rows":
-        return lambda xs: list(torch.split(xs[0], hf_rows, dim=0))
-    if transform == "split_rows":
-        return lambda xs: [torch.cat(xs, dim=0)]
-    if transform == "split_conv":
-        return lambda xs: [torch.cat([t.unsqueeze(1) for t in xs], dim=0)]
-    raise KeyError(transform)
+    return (key_dim, key_dim, m.linear_num_value_heads * m.linear_value_head_dim)
 
 
 def rules(m: ModelConfig) -> list[Rule]:
+    F, sizes = m.intermediate_size, _sizes(m)
     out = [
         Rule(("model.embed_tokens.weight",), ("embedding.word_embeddings.weight",), "identity"),
         Rule(("model.norm.weight",), ("decoder.final_layernorm.weight",), "identity"),
@@ -72,7 +38,7 @@ def rules(m: ModelConfig) -> list[Rule]:
         out += [
             Rule((h + "input_layernorm.weight",), (g + "input_layernorm.weight",), "identity"),
             Rule((h + "post_attention_layernorm.weight",), (g + "pre_mlp_layernorm.weight",), "identity"),
-            Rule((h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), (g + "mlp.linear_fc1.weight",), "concat_rows"),
+            Rule((h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), (g + "mlp.linear_fc1.weight",), "concat_rows", (F, F)),
             Rule((h + "mlp.down_proj.weight",), (g + "mlp.linear_fc2.weight",), "identity"),
         ]
         a, s = h + "self_attn.", g + "self_attention."
@@ -84,8 +50,8 @@ def rules(m: ModelConfig) -> list[Rule]:
             a = h + "linear_attn."
             out += [
                 Rule((a + "in_proj_qkv.weight",), (s + "in_proj_q.weight", s + "in_proj_k.weight",
-                                                   s + "in_proj_v.weight"), "split_rows"),
-                Rule((a + "conv1d.weight",), (s + "conv_q", s + "conv_k", s + "conv_v"), "split_conv"),
+                                                   s + "in_proj_v.weight"), "split_rows", sizes),
+                Rule((a + "conv1d.weight",), (s + "conv_q", s + "conv_k", s + "conv_v"), "split_conv", sizes),
             ]
             out += [Rule((a + x,), (s + x,), "identity") for x in (
                 "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias", "norm.weight",
@@ -121,82 +87,20 @@ def hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_hf_tensors(tensors: Mapping, m: ModelConfig, where: str = "checkpoint") -> None:
-    expected = hf_shapes(m)
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"{where}: missing tensor(s) {missing[:5]}{more}")
-    for k, shape in expected.items():
-        if shape_of(tensors, k) != shape:
-            raise CheckpointError(f"{where}: tensor {k} has shape {shape_of(tensors, k)}, expected {shape} "
-                                  f"for this config")
+    rule_table.check_hf_tensors(tensors, hf_shapes(m), where)
 
 
-class LazyCanonical(Mapping):
-    """Canonical Megatron tensors computed on access from (possibly lazy) HF tensors, one rule at a
-    time: loading a sharded model reads each HF tensor once and holds at most one rule's tensors.
+def skipped_names(names, m: ModelConfig) -> list[str]:
+    """HF names that are not this decoder's and are dropped with a note (none: the vision tower and
+    MTP weights of the published checkpoints are already set aside by the directory reader)."""
+    return []
 
-    `read(key, slices)` reads only a slice of a canonical tensor, mapped through its rule to slices
-    of the HF tensors (a rank reads just its shard when the source reads slices: `SafetensorsDir`)."""
+
+class LazyCanonical(rule_table.LazyCanonical):
+    """Canonical tensors read on access (`read(key, slices)`: only a rank's shard), from the table."""
 
     def __init__(self, hf: Mapping, m: ModelConfig, where: str = "checkpoint"):
-        check_hf_tensors(hf, m, where)
-        self._hf, self._m = hf, m
-        self._rule_of = {k: r for r in rules(m) for k in r.mcore}
-        self._cache: tuple[Rule | None, dict] = (None, {})
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        r = self._rule_of[key]
-        if self._cache[0] is not r:
-            outs = _forward(r.transform, self._m)([self._hf[k] for k in r.hf])
-            self._cache = (r, dict(zip(r.mcore, outs)))
-        return self._cache[1][key]
-
-    def read(self, key: str, sl: tuple[slice, ...]) -> torch.Tensor:
-        r = self._rule_of[key]
-        j = r.mcore.index(key)
-        rows, rest = sl[0], tuple(sl[1:])
-        if r.transform == "identity":
-            return _hf_read(self._hf, r.hf[j], sl)
-        if r.transform in ("split_rows", "split_conv"):  # canonical piece j = HF rows [off_j, off_j + n_j)
-            off = sum(_sizes(self._m)[:j])
-            hf_rows = slice(off + rows.start, off + rows.stop)
-            if r.transform == "split_rows":
-                return _hf_read(self._hf, r.hf[0], (hf_rows,) + rest)
-            return _hf_read(self._hf, r.hf[0], (hf_rows, slice(0, 1)) + rest).squeeze(1)
-        if r.transform == "concat_rows":  # canonical rows [0, n0) from HF tensor 0, [n0, n0 + n1) from 1
-            parts, start = [], 0
-            for name in r.hf:
-                n = shape_of(self._hf, name)[0]
-                a, b = max(rows.start, start), min(rows.stop, start + n)
-                if a < b:
-                    parts.append(_hf_read(self._hf, name, (slice(a - start, b - start),) + rest))
-                start += n
-            return torch.cat(parts, 0)
-        raise KeyError(r.transform)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        r = self._rule_of[key]
-        shapes = [shape_of(self._hf, k) for k in r.hf]
-        if r.transform == "identity":
-            return shapes[r.mcore.index(key)]
-        if r.transform == "concat_rows":
-            return (sum(s[0] for s in shapes),) + shapes[0][1:]
-        rows = _sizes(self._m)[r.mcore.index(key)]
-        return (rows,) + (shapes[0][1:] if r.transform == "split_rows" else shapes[0][2:])
-
-    def __contains__(self, key) -> bool:  # Mapping's default would compute (read) the tensor
-        return key in self._rule_of
-
-    def __iter__(self):
-        return iter(self._rule_of)
-
-    def __len__(self) -> int:
-        return len(self._rule_of)
-
-
-def _hf_read(hf: Mapping, name: str, sl: tuple[slice, ...]) -> torch.Tensor:
-    return hf.read(name, sl) if hasattr(hf, "read") else hf[name][sl]
+        super().__init__(hf, rules(m), hf_shapes(m), where)
 
 
 def hf_to_mcore(hf: Mapping, m: ModelConfig, where: str = "checkpoint") -> dict[str, torch.Tensor]:
@@ -207,12 +111,4 @@ def hf_to_mcore(hf: Mapping, m: ModelConfig, where: str = "checkpoint") -> dict[
 
 def mcore_to_hf(mc: dict[str, torch.Tensor], m: ModelConfig, only: Rule | None = None) -> dict[str, torch.Tensor]:
     """Canonical Megatron tensors -> HF tensors (every rule, or `only` one of them)."""
-    out = {}
-    F = m.intermediate_size
-    for r in ([only] if only is not None else rules(m)):
-        missing = [k for k in r.mcore if k not in mc]
-        if missing:
-            raise CheckpointError(f"Megatron state: missing tensor(s) {missing}")
-        for k, t in zip(r.hf, _inverse(r.transform, m, [F, F])([mc[k] for k in r.mcore])):
-            out[k] = t.contiguous()
-    return out
+    return rule_table.to_hf(mc, [only] if only is not None else rules(m))

@@ -29,9 +29,7 @@ def run(args) -> int:
     m = cfg.model
     model = build_and_load(cfg, par, args.hf, args.load, "smoke")
     n_params = count_parameters(model, par)
-    rank0_print(f"[smoke] {m.family}: {m.num_layers} layers ({m.layer_types.count('linear_attention')} Gated "
-                f"DeltaNet + {m.layer_types.count('full_attention')} gated attention), hidden {m.hidden_size}, "
-                f"{n_params / 1e6:.3f} M parameters, dtype {m.dtype}, vocabulary {m.vocab_size} "
+    rank0_print(f"[smoke] {m.family}: {m.describe()}, {n_params / 1e6:.3f} M parameters, dtype {m.dtype}, vocabulary {m.vocab_size} "
                 f"(padded to {m.padded_vocab_size(par.tp)})")
     rank0_print(f"[smoke] layout tp={par.tp} pp={par.pp} cp={par.cp} dp={par.dp} on {par.world_size} "
                 f"{par.device.type} rank(s) ({'gloo' if par.device.type == 'cpu' else 'nccl'}); "

@@ -40,7 +40,11 @@ def run(args) -> int:
     from longstraw_mcore.bench.memory import peak_bytes
     from longstraw_mcore.train.trainer import wrap_ddp
 
+    from longstraw_mcore.commands.layer_probe import LayerProbe, merge_reports
+
     model = build_and_load(cfg, par, args.hf, args.load, "validate")
+    rank0_print(f"[validate] {cfg.model.family}: {cfg.model.describe()}; layout {par.layout()}")
+    probe = LayerProbe(model, cfg.model, par.ep)
     ddp = wrap_ddp(model, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, distributed_optimizer=False)),
                    par)
     ref = reference_model(args, cfg, par)
@@ -56,10 +60,11 @@ def run(args) -> int:
             seconds[k] = seconds.get(k, 0.0) + v
         rank0_print(f"[validate] group {i}: loss {st.loss:.6g}, {st.tokens} response tokens, "
                     f"state {st.state_bytes / 2**20:.3f} MiB on rank 0")
+    probe.close()
     finalize_model_grads([ddp], pg_collection=par.pgs)
     gn = grad_norm(ddp.module, par)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (results, seconds, peak_bytes(par.device)))
+    dist.all_gather_object(gathered, (results, seconds, peak_bytes(par.device), probe.report()))
     if par.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     if args.dump_grads:
@@ -68,7 +73,7 @@ def run(args) -> int:
         dump_hf_tensors(ddp.module, cfg.model, out / "grads.safetensors", grads=True, log=rank0_print)
     if par.rank == 0:
         merged = {}
-        for res, _, _ in gathered:  # state bytes differ by rank (TP heads, CP shares, pipeline stages): the largest
+        for res, *_ in gathered:  # state bytes differ by rank (TP heads, CP shares, pipeline stages): the largest
             for i, r in res.items():
                 big = {k: max(r[k], merged[i][k]) for k in ("state_bytes", "ref_state_bytes")} if i in merged else {}
                 merged[i] = dict(r, **big)
@@ -77,10 +82,12 @@ def run(args) -> int:
             "logprobs": [merged[i]["logprobs"] for i in range(n)],
             "skipped_groups": [i for i in range(n) if merged[i]["skipped"]],
             "grad_norm": gn, "mode": cfg.replay.mode, "objective": cfg.grpo.objective,
-            "layout": par.layout(), "peak_bytes_per_rank": [p for _, _, p in gathered],
+            "layout": par.layout(), "peak_bytes_per_rank": [g[2] for g in gathered],
             "state_bytes_per_group": [merged[i]["state_bytes"] for i in range(n)],
             "ref_state_bytes_per_group": [merged[i]["ref_state_bytes"] for i in range(n)],
-            "seconds": {k: max(s.get(k, 0.0) for _, s, _ in gathered) for k in gathered[0][1]},
+            "seconds": {k: max(g[1].get(k, 0.0) for g in gathered) for k in gathered[0][1]},
+            "model": cfg.model.describe(),
+            **_layer_receipt(cfg.model, merge_reports([g[3] for g in gathered], cfg.model, par.ep)),
             "config": dataclasses.asdict(cfg),
         }
         tmp = out / ".receipt.json.tmp"
@@ -90,3 +97,18 @@ def run(args) -> int:
                     + (" and grads.safetensors" if args.dump_grads else ""))
     dist.barrier()
     return 0
+
+
+def _layer_receipt(m, touched: dict) -> dict:
+    """Every decoder layer: its kind, the ranks that ran it, its prompt-state bytes per position
+    (analytic, whole model, the model's dtype); GLM-5.x adds the IndexShare schedule."""
+    from longstraw_mcore.prompt_state.containers import analytic_state_bytes
+
+    per_layer = [sum(analytic_state_bytes(m, 1, 1, layer_types=[t]).values()) for t in m.layer_types]
+    for entry, b in zip(touched["layers"], per_layer):
+        entry["state_bytes_per_position"] = b
+    out = dict(touched, state_bytes_per_position=sum(per_layer))
+    if getattr(m, "indexer_types", None) is not None:
+        out["index_share_schedule"] = {"indexer_types": list(m.indexer_types),
+                                       "full_layers": [i for i, t in enumerate(m.indexer_types) if t == "full"]}
+    return out

@@ -17,9 +17,7 @@ def _build_model(model_cfg, parallel, device):
 
 
 def _read_hf_config(path):
-    from longstraw_mcore.checkpoint.common import CheckpointError
-
-    raise CheckpointError(f"{path}: reading GLM-5.x (GlmMoeDsaForCausalLM) checkpoints is not built yet")
+    return mapping.read_config(path)
 
 
 FAMILY = Family(
@@ -42,8 +40,9 @@ def glm_5_2(dtype: str = "bfloat16", **overrides):
     base = dict(vocab_size=154880, hidden_size=6144, intermediate_size=12288, num_layers=78, num_attention_heads=64,
                 q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
                 index_n_heads=32, index_head_dim=128, index_topk=2048,
-                indexer_types=GlmDsaConfig.index_share_schedule(78, 4, 3), first_k_dense_replace=3,
+                index_topk_freq=4, index_skip_topk_offset=3, first_k_dense_replace=3,
                 n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048,
-                routed_scaling_factor=2.5, rope_theta=8_000_000.0, rms_norm_eps=1e-5, dtype=dtype)
+                routed_scaling_factor=2.5, rope_theta=8_000_000.0, rms_norm_eps=1e-5, dtype=dtype,
+                make_vocab_size_divisible_by=128)
     base.update(overrides)
     return GlmDsaConfig(**base)

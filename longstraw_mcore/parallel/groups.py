@@ -32,6 +32,7 @@ class Parallel:
     rank: int
     world_size: int
     stage_layers: list | None = None  # decoder layers per pipeline stage (ParallelConfig.stage_layers)
+    ep: int = 1  # expert parallel size (carved out of dp, as Megatron does)
 
     @property
     def tp_rank(self) -> int:
@@ -50,7 +51,8 @@ class Parallel:
         return self.pp_rank == self.pp - 1
 
     def layout(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp, "world_size": self.world_size}
+        return {"tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep, "dp": self.dp,
+                "world_size": self.world_size}
 
 
 def init_distributed(device: str) -> None:
@@ -94,10 +96,11 @@ def setup_parallel(cfg: RunConfig) -> Parallel:
     # tp > KV heads: the TP ranks sharing a KV head form a KV group (parallel/kv_group.py)
     from longstraw_mcore.parallel.kv_group import new_kv_groups
 
-    pgs.tp_kv = new_kv_groups(pgs.tp, cfg.model.num_key_value_heads)
+    kv_heads = getattr(cfg.model, "num_key_value_heads", None)  # MLA (GLM-5.x): every head its own K/V
+    pgs.tp_kv = new_kv_groups(pgs.tp, kv_heads) if kv_heads else None
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     return Parallel(pgs=pgs, device=dev, tp=p.tp, pp=p.pp, cp=p.cp, dp=dp, rank=dist.get_rank(), world_size=world,
-                    stage_layers=stages)
+                    stage_layers=stages, ep=p.ep)
 
 
 def teardown() -> None:

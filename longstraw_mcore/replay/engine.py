@@ -178,22 +178,24 @@ def new_state(core, plan: list[Step], g: _Group, layout: CPLayout | None) -> Pro
 
 
 def _same_schedule_over_ep(core, plan: list[Step], g: _Group) -> None:
-    """Expert parallelism: every MoE layer call is an all-to-all over the EP group, so its ranks must run
-    the same micro-steps with the same token counts (lockstep). Ranks that replay different prompt
-    groups (data parallel) only may when the groups have one shape; refuse otherwise, naming both."""
+    """Expert parallelism: every MoE layer call is an all-to-all over the EP group, so its ranks must call
+    every layer equally often, in the same order (lockstep); token counts may differ (the dispatcher
+    exchanges them first). Ranks that replay different prompt groups (data parallel) may when the
+    groups have the same steps: capture chunks, and branches per replay step; refuse otherwise."""
     ep = getattr(core.pg_collection, "ep", None)
     if ep is None or ep.size() == 1:
         return
     import torch.distributed as dist
 
-    mine = [(s.phase, s.span, tuple(len(g.responses[b]) for b in s.branches)) for s in plan]
+    mine = [(s.phase, len(s.branches)) for s in plan]
     every = [None] * ep.size()
     dist.all_gather_object(every, mine, group=ep)
     for r, theirs in enumerate(every):
         if theirs != mine:
             raise ValueError(f"expert-parallel ranks run different replay schedules (this rank: {len(mine)} steps, "
                              f"first {mine[:2]}; EP rank {r}: {len(theirs)} steps, first {theirs[:2]}): their "
-                             "all-to-alls need lockstep; give the data-parallel ranks prompt groups of one shape")
+                             "all-to-alls need lockstep; give the data-parallel ranks prompt groups with as many "
+                             "capture chunks (prompt length / replay.chunk_len) and branches")
 
 
 def execute(model, plan: list[Step], g: _Group, state: PromptState | None = None, state_grad: bool = False):

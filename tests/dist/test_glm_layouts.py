@@ -3,12 +3,12 @@
 The tiny config of tests/reference/test_glm_parity.py with transformers' weights. Against the same
 groups on one rank (per DP rank, through Megatron DDP + finalize_model_grads, gathered): per-group
 loss, per-token log-probs and every parameter gradient <= 1e-10, detached and exact modes, two G=8
-groups of one shape (branch lengths 1 to 8), chunks of 5. Layouts: TP=2 (heads split; the latent and the
+groups with unequal branch lengths (1 to 8, different in the two groups), chunks of 5. Layouts: TP=2 (heads split; the latent and the
 indexer computed whole on each rank, their gradients summed over TP) on the all-dense variant of the
 config, because Megatron's MoE layer refuses TP > 1 without sequence parallelism, which this
 family's mixer does not do yet; and EP=2 x DP=2 (3 of the 6 experts per rank, the alltoall
 dispatcher; each rank its own groups).
-EP ranks whose schedules differ (prompt groups of different shapes) are refused before any model work.
+EP ranks whose steps differ (a different number of capture chunks) are refused before any model work.
 Not yet covered for this family: TP with MoE layers, CP, PP, 8-rank layouts.
 """
 
@@ -66,21 +66,22 @@ def _worker(rank, world_size):
     from test_glm_parity import _configs, _hf_model
     from test_replay_equivalence import make_group
 
-    from longstraw_mcore.checkpoint.glm_dsa import hf_to_mcore
+    from longstraw_mcore.checkpoint.glm_dsa import from_transformers_state, hf_to_mcore
 
     out = {}
     # TP=2 on the all-dense variant: Megatron's MoE layer refuses TP > 1 without sequence parallelism
     for name, tp, ep, first_dense in (("tp2 (dense layers)", 2, 1, 4), ("ep2 x dp2", 1, 2, 1)):
         hf_cfg, m = _configs(4, first_dense)
-        full = hf_to_mcore(dict(_hf_model(hf_cfg, 5).state_dict()), m)[0]
-        # two groups of one shape: the EP ranks' all-to-alls run in lockstep only when their
-        # schedules match (replay/engine.py checks it and refuses otherwise)
-        groups = [make_group(m, 21, [3, 1, 7, 2, 6, 1, 4, 8], seed=s) for s in (81, 82)]
+        full = hf_to_mcore(from_transformers_state(_hf_model(hf_cfg, 5).state_dict()), m)
+        # two groups with the same steps (prompt length, G) but different branch lengths: the EP ranks'
+        # all-to-alls run in lockstep with different token counts (replay/engine.py refuses other steps)
+        groups = [make_group(m, 21, [3, 1, 7, 2, 6, 1, 4, 8], seed=81),
+                  make_group(m, 21, [5, 8, 1, 2, 7, 3, 1, 6], seed=82)]
         ref = _steps(m, full, groups, 1, 1)
         got = _steps(m, full, groups, tp, ep)
         for mode in got:
             out[(name, mode)] = compare(ref[mode], got[mode])
-    # groups of different shapes on the two EP ranks: refused before any model work (no hang)
+    # different numbers of capture chunks on the two EP ranks: refused before any model work (no hang)
     from longstraw_mcore.config import GRPOConfig, ReplayConfig
     from longstraw_mcore.replay.group_step import process_group
 

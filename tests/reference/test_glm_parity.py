@@ -87,7 +87,7 @@ def _worker(rank, world_size):
 
     import longstraw_mcore.models.glm5 as G
     from longstraw_mcore.checkpoint.full_state import gather_full, load_full
-    from longstraw_mcore.checkpoint.glm_dsa import hf_to_mcore
+    from longstraw_mcore.checkpoint.glm_dsa import from_transformers_state, hf_to_mcore, skipped_names
 
     out = {}
     for name, topk, seq, seed in (("dense", 32, 12, 0), ("sparse", 4, 13, 4)):
@@ -97,7 +97,7 @@ def _worker(rank, world_size):
         model = build_glm(m)[0]
         state = {n: t for n, t in hf.state_dict().items()}
         state["model.layers.4.eh_proj.weight"] = torch.zeros(1)  # an MTP tensor: skipped, counted
-        tensors, skipped = hf_to_mcore(state, m)
+        tensors, skipped = hf_to_mcore(from_transformers_state(state), m), skipped_names(state, m)
         load_full(model, tensors)
         gaps = []
         orig = G.select_topk
@@ -122,7 +122,7 @@ def _worker(rank, world_size):
         (got * gy).sum().backward()
         hf_grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in hf.named_parameters()}
         hf_grads.update({n: torch.zeros_like(b) for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")})
-        want, _ = hf_to_mcore(hf_grads, m)
+        want = hf_to_mcore(from_transformers_state(hf_grads), m)
         own = gather_full(model, grads=True)
         errs = {"logits": rel(got.detach(), ref.detach())}
         for n, g in want.items():

@@ -32,7 +32,7 @@ def _worker(rank, world_size):
     from test_replay_equivalence import grads_and_loss, make_group
 
     from longstraw_mcore.checkpoint.full_state import load_full
-    from longstraw_mcore.checkpoint.glm_dsa import hf_to_mcore
+    from longstraw_mcore.checkpoint.glm_dsa import from_transformers_state, hf_to_mcore
     from longstraw_mcore.config import GRPOConfig, ReplayConfig
     from longstraw_mcore.prompt_state.containers import analytic_state_bytes
     from longstraw_mcore.replay.engine import capture, run_group
@@ -40,7 +40,7 @@ def _worker(rank, world_size):
 
     hf_cfg, m = _configs(4)
     model = build_glm(m)[0]
-    load_full(model, hf_to_mcore(dict(_hf_model(hf_cfg, 5).state_dict()), m)[0])
+    load_full(model, hf_to_mcore(from_transformers_state(_hf_model(hf_cfg, 5).state_dict()), m))
     gcfg = GRPOConfig(beta=0.05)
     out = {"exact": [], "detached": [], "bytes": []}
     for P, lengths, seed in [(23, [6], 1), (19, [3, 1, 7, 2, 6, 1, 4, 8], 2)]:
@@ -95,7 +95,7 @@ def _detached_worker(rank, world_size):
     from test_replay_equivalence import make_group
 
     from longstraw_mcore.checkpoint.full_state import gather_full, load_full
-    from longstraw_mcore.checkpoint.glm_dsa import hf_to_mcore
+    from longstraw_mcore.checkpoint.glm_dsa import from_transformers_state, hf_to_mcore
     from longstraw_mcore.config import GRPOConfig, ReplayConfig
     from longstraw_mcore.loss.grpo import advantages, group_loss_fn
     from longstraw_mcore.replay.engine import run_group
@@ -104,7 +104,7 @@ def _detached_worker(rank, world_size):
     with LiftFloat32ToFloat64():
         hf = _hf_model(hf_cfg, 5)
     model = build_glm(m)[0]
-    load_full(model, hf_to_mcore(dict(hf.state_dict()), m)[0])
+    load_full(model, hf_to_mcore(from_transformers_state(hf.state_dict()), m))
     gcfg = GRPOConfig(beta=0.05)
     out = []
     for P, lengths, seed in [(23, [5, 1, 9], 11), (19, [3, 1, 7, 2, 6, 1, 4, 8], 12)]:
@@ -114,7 +114,7 @@ def _detached_worker(rank, world_size):
         ref_lp = hf_cache_reference(hf, group, fn, LiftFloat32ToFloat64)
         grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in hf.named_parameters()}
         grads.update({n: torch.zeros_like(b) for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")})
-        ref_g = hf_to_mcore(grads, m)[0]
+        ref_g = hf_to_mcore(from_transformers_state(grads), m)
         model.zero_grad(set_to_none=True)
         res, _ = run_group(model, group.prompt, group.responses, fn, ReplayConfig(mode="detached", chunk_len=4), tp=1)
         g = gather_full(model, grads=True)

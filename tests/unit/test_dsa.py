@@ -175,7 +175,7 @@ def test_glm_bad_input_is_refused_with_the_value():
     import pytest
 
     from longstraw_mcore.checkpoint.common import CheckpointError
-    from longstraw_mcore.checkpoint.glm_dsa import hf_to_mcore
+    from longstraw_mcore.checkpoint.glm_dsa import hf_shapes, hf_to_mcore
     from longstraw_mcore.config import ConfigError, ParallelConfig
     from longstraw_mcore.families.glm_dsa import glm_5_2
 
@@ -189,16 +189,15 @@ def test_glm_bad_input_is_refused_with_the_value():
     m.check_layout(ParallelConfig(ep=8))
     tiny = glm_5_2(num_layers=2, indexer_types=["full", "shared"], first_k_dense_replace=1, n_routed_experts=4,
                    num_experts_per_tok=2, hidden_size=4, intermediate_size=4, moe_intermediate_size=2, vocab_size=8)
-    z = torch.zeros(1)
-    hf = {"model.embed_tokens.weight": z, "model.norm.weight": z, "lm_head.weight": z}
-    for i in range(2):
-        hf.update({f"model.layers.{i}.{n}": z for n in ("input_layernorm.weight", "post_attention_layernorm.weight")})
-    hf.update({f"model.layers.0.mlp.{n}.weight": z for n in ("gate_proj", "up_proj", "down_proj")})
-    hf.update({"model.layers.1.mlp.gate.weight": z, "model.layers.1.mlp.gate.e_score_correction_bias": z,
-               "model.layers.1.mlp.experts.gate_up_proj": torch.zeros(3, 4, 4),  # one expert missing
-               "model.layers.1.mlp.experts.down_proj": torch.zeros(3, 4, 2)})
-    with pytest.raises(CheckpointError, match=r"mlp.experts.gate_up_proj holds 3 experts, model.n_routed_experts=4"):
+    hf = {k: torch.zeros(s) for k, s in hf_shapes(tiny).items()}
+    hf_to_mcore(hf, tiny)  # complete: converts
+    gone = {k: hf.pop(k) for k in [k for k in hf if ".mlp.experts.3." in k]}  # one expert missing
+    assert len(gone) == 3
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) \['model.layers.1.mlp.experts.3.down_proj.weight', "
+                                              r"'model.layers.1.mlp.experts.3.gate_proj.weight'"):
         hf_to_mcore(hf, tiny)
-    hf.pop("model.layers.1.mlp.gate.weight")
-    with pytest.raises(CheckpointError, match=r"lacks tensor 'model.layers.1.mlp.gate.weight'"):
+    hf.update(gone)
+    hf["model.layers.1.mlp.gate.weight"] = torch.zeros(3, 4)  # a router for three experts
+    with pytest.raises(CheckpointError, match=r"tensor model.layers.1.mlp.gate.weight has shape \(3, 4\), expected "
+                                              r"\(4, 4\)"):
         hf_to_mcore(hf, tiny)
