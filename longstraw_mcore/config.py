@@ -237,12 +237,18 @@ class GlmDsaConfig(_ModelCommon):
             raise ConfigError(f"parallel.tp={p.tp} with MoE layers: Megatron's MoE layer needs sequence parallelism "
                               "at tp > 1, which the GLM-5.x attention does not do yet; use parallel.tp=1 (ep for "
                               "the experts)")
-        for name, v in (("pp", p.pp), ("cp", p.cp)):
-            if v != 1:
-                raise ConfigError(f"parallel.{name}={v}: the GLM-5.x family runs at {name}=1 for now")
+        if p.cp != 1:
+            raise ConfigError(f"parallel.cp={p.cp}: the GLM-5.x family runs at cp=1 for now")
         if self.num_layers < p.pp:
             raise ConfigError(f"parallel.pp={p.pp} exceeds model.num_layers={self.num_layers}")
-        p.stage_layers(self.num_layers)
+        stages = p.stage_layers(self.num_layers)
+        starts = [sum(stages[:s]) for s in range(1, len(stages))]
+        bad = [i for i in starts if self.indexer_types[i] != "full"]
+        if bad:  # IndexShare stays inside a stage: a shared layer reads the top-k of a full layer before it
+            full = [i for i, t in enumerate(self.indexer_types) if t == "full" and i > 0]
+            raise ConfigError(f"parallel.pp_layers={stages}: stage(s) would start at layer(s) {bad}, which reuse the "
+                              f"previous layer's top-k (IndexShare 'shared'); a stage must start at a full indexer "
+                              f"layer: one of {full[:12]}{' ...' if len(full) > 12 else ''}")
 
     def describe(self) -> str:
         """One line of what the layers are, for logs."""

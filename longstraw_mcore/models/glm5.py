@@ -25,10 +25,10 @@ trains by its own loss in the reference, not by the policy gradient).
 
 Branch replay: under a prompt-state context the layer hands its tokens' latents (c, k_pe, and on
 full layers the indexer key) to `ctx.latent` and attends to what it returns (prompt_state/mla.py).
-Not yet: context and pipeline parallelism for this family (a pipeline stage that starts with a shared
-layer would need the previous stage's top-k), the latent sharded by sequence inside the TP group,
-conversion of checkpoints: models built here take weights through `checkpoint/glm_dsa.py`'s name
-table at TP=1.
+Pipeline parallelism: every stage starts with a full indexer layer (GlmDsaConfig.check_layout), so
+IndexShare never crosses a stage boundary (a shared layer's top-k comes from a full layer on its own
+stage). Not yet: context parallelism for this family, the latent sharded by sequence inside the TP
+group, TP together with MoE layers (Megatron's MoE layer needs sequence parallelism at tp > 1).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from longstraw_mcore import cpu_compat
 from longstraw_mcore.config import GlmDsaConfig
 from longstraw_mcore.models.glm_moe import moe_config_kwargs, moe_layer_builder
 from longstraw_mcore.models.norms import RMSNorm
-from longstraw_mcore.models.qwen3_5 import Qwen35HybridModel
+from longstraw_mcore.models.qwen3_5 import Qwen35HybridModel, pipeline_kwargs
 from longstraw_mcore.ops.dsa import indexer_scores, mla_sparse, rope_interleaved, select_topk
 from longstraw_mcore.prompt_state.mla import MLAKeys
 
@@ -71,6 +71,7 @@ def transformer_config(m: GlmDsaConfig, p, device: str) -> TransformerConfig:
                             m.n_shared_experts, m.routed_scaling_factor,
                             router_dtype="fp64" if dtype == torch.float64 else "fp32"),
     )
+    kwargs.update(pipeline_kwargs(m.num_layers, p))
     if device == "cpu":
         kwargs.update(cpu_compat.cpu_config_overrides())
     return TransformerConfig(**kwargs)
@@ -225,7 +226,8 @@ def build_model(model_cfg: GlmDsaConfig, parallel, device: str) -> GlmDsaModel:
     if model_cfg.torch_dtype == torch.float64:
         float64_routing()  # float64 validation runs route in float64 (models/glm_moe.py)
 
-    pc = PC(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=getattr(parallel, "ep", 1))
+    pc = PC(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=getattr(parallel, "ep", 1),
+            pp_layers=getattr(parallel, "stage_layers", None))
     model_cfg.check_layout(pc)  # before anything is allocated
     model = GlmDsaModel(transformer_config(model_cfg, pc, device), model_cfg, parallel.pgs,
                         pre_process=parallel.is_first_stage, post_process=parallel.is_last_stage)

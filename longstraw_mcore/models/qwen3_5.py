@@ -61,20 +61,23 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, device: str) -> Transf
         # Mixed layer types: checkpoint keys per global layer (decoder.layers.{i}.*), never stacked.
         hetereogenous_dist_checkpoint=True,
     )
-    if p.pp > 1:
-        # Megatron's layout places the stages' layers (uneven splits too; layer numbers and checkpoint
-        # keys follow it), the embedding first and the output layer ("loss") last; branches and
-        # capture chunks differ in length, so the pipeline exchanges shapes (variable_seq_lengths)
-        stages = p.stage_layers(m.num_layers)
-        layout = [["decoder"] * n for n in stages]
-        layout[0].insert(0, "embedding")
-        layout[-1].append("loss")
-        # (Megatron refuses variable_seq_lengths with its default MoE dispatcher, even without experts)
-        kwargs.update(pipeline_model_parallel_layout=layout, variable_seq_lengths=True,
-                      moe_token_dispatcher_type="alltoall")
+    kwargs.update(pipeline_kwargs(m.num_layers, p))
     if device == "cpu":
         kwargs.update(cpu_compat.cpu_config_overrides())
     return TransformerConfig(**kwargs)
+
+
+def pipeline_kwargs(num_layers: int, p: ParallelConfig) -> dict:
+    """TransformerConfig fields for pp > 1 (none at pp = 1). Megatron's layout places the stages' layers
+    (uneven splits too; layer numbers and checkpoint keys follow it), the embedding first and the output
+    layer ("loss") last; branches and capture chunks differ in length, so the pipeline exchanges shapes
+    (variable_seq_lengths), which Megatron refuses with its default MoE dispatcher, even without experts."""
+    if p.pp == 1:
+        return {}
+    layout = [["decoder"] * n for n in p.stage_layers(num_layers)]
+    layout[0].insert(0, "embedding")
+    layout[-1].append("loss")
+    return dict(pipeline_model_parallel_layout=layout, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
 
 
 def layer_spec(layer_type: str, m: ModelConfig) -> ModuleSpec:

@@ -25,17 +25,21 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "replay"))
 
 
-def _build(m, tp: int, ep: int):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from test_glm_parity import build_glm
+def _build(m, tp: int = 1, ep: int = 1, pp: int = 1, pp_layers=None):
+    """This rank's model of `m` at the layout (through RunConfig and setup_parallel, as the CLI builds
+    it), wrapped in Megatron DDP."""
+    from longstraw_mcore.config import ParallelConfig, RunConfig
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.parallel.groups import setup_parallel
+    from longstraw_mcore.train.trainer import wrap_ddp
 
-    model, par = build_glm(m, tp, ep)
-    ddp = DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(), module=model,
-                                  pg_collection=par.pgs)
-    return model, ddp, par
+    cfg = RunConfig(model=m, parallel=ParallelConfig(tp=tp, ep=ep, pp=pp, pp_layers=pp_layers), device="cpu")
+    par = setup_parallel(cfg)
+    model = get_family(m.family).build_model(m, par, "cpu")
+    return model, wrap_ddp(model, cfg, par), par
 
 
-def _steps(m, full, groups, tp, ep):
+def _steps(m, full, groups, **layout):
     import torch.distributed as dist
     from megatron.core.distributed import finalize_model_grads
 
@@ -43,7 +47,7 @@ def _steps(m, full, groups, tp, ep):
     from longstraw_mcore.config import GRPOConfig, ReplayConfig
     from longstraw_mcore.replay.group_step import process_group
 
-    model, ddp, par = _build(m, tp, ep)
+    model, ddp, par = _build(m, **layout)
     load_full(model, full)
     out = {}
     for mode in ("detached", "exact"):
@@ -51,7 +55,7 @@ def _steps(m, full, groups, tp, ep):
         mine = {}
         for i, g in enumerate(groups):
             if i % par.dp == par.pgs.dp.rank():
-                st = process_group(ddp, g, ReplayConfig(mode=mode, chunk_len=5), GRPOConfig(beta=0.05), tp,
+                st = process_group(ddp, g, ReplayConfig(mode=mode, chunk_len=5), GRPOConfig(beta=0.05), par.tp,
                                    scale=par.dp / len(groups))
                 mine[i] = (st.loss, st.logprobs)
         finalize_model_grads([ddp], pg_collection=par.pgs)
@@ -62,30 +66,48 @@ def _steps(m, full, groups, tp, ep):
     return out
 
 
-def _worker(rank, world_size):
+def _compare_layouts(layouts, groups_of) -> dict:
+    """{(layout name, mode): differences} of each layout against one rank; `layouts`: (name, first dense
+    layers, layout kwargs)."""
     from test_glm_parity import _configs, _hf_model
-    from test_replay_equivalence import make_group
 
     from longstraw_mcore.checkpoint.glm_dsa import from_transformers_state, hf_to_mcore
 
     out = {}
-    # TP=2 on the all-dense variant: Megatron's MoE layer refuses TP > 1 without sequence parallelism
-    for name, tp, ep, first_dense in (("tp2 (dense layers)", 2, 1, 4), ("ep2 x dp2", 1, 2, 1)):
+    for name, first_dense, layout in layouts:
         hf_cfg, m = _configs(4, first_dense)
         full = hf_to_mcore(from_transformers_state(_hf_model(hf_cfg, 5).state_dict()), m)
-        # two groups with the same steps (prompt length, G) but different branch lengths: the EP ranks'
-        # all-to-alls run in lockstep with different token counts (replay/engine.py refuses other steps)
-        groups = [make_group(m, 21, [3, 1, 7, 2, 6, 1, 4, 8], seed=81),
-                  make_group(m, 21, [5, 8, 1, 2, 7, 3, 1, 6], seed=82)]
-        ref = _steps(m, full, groups, 1, 1)
-        got = _steps(m, full, groups, tp, ep)
+        groups = groups_of(m)
+        ref = _steps(m, full, groups)
+        got = _steps(m, full, groups, **layout)
         for mode in got:
             out[(name, mode)] = compare(ref[mode], got[mode])
+    return out
+
+
+def _two_groups(m):
+    """Two G=8 groups with the same steps (prompt length, G) but different branch lengths: the EP ranks'
+    all-to-alls run in lockstep with different token counts (replay/engine.py refuses other steps)."""
+    from test_replay_equivalence import make_group
+
+    return [make_group(m, 21, [3, 1, 7, 2, 6, 1, 4, 8], seed=81), make_group(m, 21, [5, 8, 1, 2, 7, 3, 1, 6], seed=82)]
+
+
+def _worker(rank, world_size):
+    from test_replay_equivalence import make_group
+
+    # TP=2 on the all-dense variant: Megatron's MoE layer refuses TP > 1 without sequence parallelism;
+    # PP=2 splits [1, 3]: the second stage starts at a full indexer layer (layer types full, full, shared, full)
+    out = _compare_layouts([("tp2 (dense layers)", 4, dict(tp=2)), ("ep2 x dp2", 1, dict(ep=2)),
+                            ("pp2 [1, 3]", 1, dict(pp=2, pp_layers=[1, 3]))], _two_groups)
     # different numbers of capture chunks on the two EP ranks: refused before any model work (no hang)
     from longstraw_mcore.config import GRPOConfig, ReplayConfig
     from longstraw_mcore.replay.group_step import process_group
 
-    model, ddp, par = _build(m, 1, 2)
+    from test_glm_parity import _configs
+
+    m = _configs(4, 1)[1]
+    model, ddp, par = _build(m, ep=2)
     g = make_group(m, 21 + 2 * par.pgs.dp.rank(), [3, 1], seed=90)
     try:
         process_group(ddp, g, ReplayConfig(chunk_len=5), GRPOConfig(), 1)
@@ -95,7 +117,17 @@ def _worker(rank, world_size):
     return out
 
 
-def test_glm_tp2_ep2_equal_single_rank():
+def _worker4(rank, world_size):
+    return _compare_layouts([("pp2 [1, 3] x ep2", 1, dict(pp=2, pp_layers=[1, 3], ep=2)),
+                             ("pp2 [3, 1] x dp2", 1, dict(pp=2, pp_layers=[3, 1]))], _two_groups)
+
+
+def test_glm_pp2_ep2_on_4_ranks_equal_single_rank():
+    for rank, out in enumerate(run_ranks(_worker4, 4, timeout_s=900)):
+        check_steps(out, rank, prefix="GLM ")
+
+
+def test_glm_tp2_ep2_pp2_equal_single_rank():
     for rank, out in enumerate(run_ranks(_worker, 2, timeout_s=900)):
         assert "expert-parallel ranks run different replay schedules" in out.pop("refused")
         check_steps(out, rank, prefix="GLM ")
