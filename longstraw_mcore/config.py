@@ -233,10 +233,6 @@ class GlmDsaConfig(_ModelCommon):
             valid = [e for e in range(1, self.n_routed_experts + 1) if self.n_routed_experts % e == 0 and e <= 64]
             raise ConfigError(f"model.n_routed_experts={self.n_routed_experts} is not divisible by parallel.ep={p.ep}; "
                               f"expert parallel sizes that divide it: {valid}")
-        if p.tp > 1 and self.first_k_dense_replace < self.num_layers:
-            raise ConfigError(f"parallel.tp={p.tp} with MoE layers: Megatron's MoE layer needs sequence parallelism "
-                              "at tp > 1, which the GLM-5.x attention does not do yet; use parallel.tp=1 (ep for "
-                              "the experts)")
         if p.cp != 1:
             raise ConfigError(f"parallel.cp={p.cp}: the GLM-5.x family runs at cp=1 for now")
         if self.num_layers < p.pp:

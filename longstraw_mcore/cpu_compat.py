@@ -161,6 +161,29 @@ def _new_empty_patch() -> None:
     torch.Tensor.new_empty = new_empty
 
 
+def _function_backward_patch() -> None:
+    """Sequence parallelism (the MoE layer's token split and gather at tp > 1) runs backwards of
+    Megatron's autograd Functions that allocate their all-gather / reduce-scatter buffers with
+    `torch.empty(..., device=torch.cuda.current_device())` (tensor_parallel/mappings.py:152,
+    tensor_parallel/layers.py:646), where the redirect mode is off (autograd runs Python backwards
+    with torch function modes disabled): every Function of those two modules runs its backward with
+    the redirect mode entered."""
+    from megatron.core.tensor_parallel import layers, mappings
+
+    for module in (mappings, layers):
+        for obj in list(vars(module).values()):
+            if not (isinstance(obj, type) and issubclass(obj, torch.autograd.Function)) or "backward" not in vars(obj):
+                continue
+            orig = obj.backward
+
+            @functools.wraps(orig)
+            def backward(ctx, *grads, _orig=orig):
+                with _CudaToCpuMode():
+                    return _orig(ctx, *grads)
+
+            obj.backward = staticmethod(backward)
+
+
 def enable(device: str) -> bool:
     """Apply the CPU patches if `device == "cpu"`; return whether they are active.
 
@@ -187,6 +210,7 @@ def enable(device: str) -> bool:
         _cpu_rng_tracker_patches()
         _moe_split_sizes_patch()
         _new_empty_patch()
+        _function_backward_patch()
         _MODE = _CudaToCpuMode()
         _MODE.__enter__()  # process-wide: the mode stays on the stack for the life of the process
         _ENABLED = True

@@ -50,7 +50,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from longstraw_mcore import cpu_compat
 from longstraw_mcore.config import GlmDsaConfig
-from longstraw_mcore.models.glm_moe import moe_config_kwargs, moe_layer_builder
+from longstraw_mcore.models.glm_moe import moe_config_kwargs, sequence_sharded_moe_spec
 from longstraw_mcore.models.norms import RMSNorm
 from longstraw_mcore.models.qwen3_5 import Qwen35HybridModel, pipeline_kwargs
 from longstraw_mcore.ops.dsa import indexer_scores, mla_sparse, rope_interleaved, select_topk
@@ -65,6 +65,7 @@ def transformer_config(m: GlmDsaConfig, p, device: str) -> TransformerConfig:
         activation_func=F.silu, add_bias_linear=False, normalization="RMSNorm", layernorm_epsilon=m.rms_norm_eps,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp, context_parallel_size=p.cp, expert_model_parallel_size=p.ep,
+        expert_tensor_parallel_size=1,
         sequence_parallel=False, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         init_method_std=0.02, hetereogenous_dist_checkpoint=True,
         **moe_config_kwargs(m.n_routed_experts, m.num_experts_per_tok, m.moe_intermediate_size,
@@ -199,7 +200,7 @@ def layer_spec(i: int, m: GlmDsaConfig, share: TopkShare) -> ModuleSpec:
         mlp = partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                                      linear_fc2=RowParallelLinear))
     else:
-        mlp = moe_layer_builder(m.n_routed_experts)
+        mlp = sequence_sharded_moe_spec(m.n_routed_experts)
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=RMSNorm, self_attention=mixer, self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=RMSNorm, mlp=mlp, mlp_bda=get_bias_dropout_add))

@@ -83,3 +83,71 @@ def float64_routing() -> None:
 
     routing._float64 = True
     router.topk_routing_with_score_function = routing
+
+
+def sequence_sharded_moe_spec(num_experts: int):
+    """The MoE layer spec of `moe_layer_builder` with `SequenceShardedMoE` as its module (any tp)."""
+    from functools import partial
+
+    spec = moe_layer_builder(num_experts)  # partial(MoELayer, submodules=...)
+    return partial(_sequence_sharded_moe_class(), *spec.args, **spec.keywords)
+
+
+_CLASS = None
+
+
+def _sequence_sharded_moe_class():
+    """Built on first use: Megatron is imported only when a model is built."""
+    global _CLASS
+    if _CLASS is not None:
+        return _CLASS
+    import dataclasses
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
+                                                        scatter_to_sequence_parallel_region)
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    class SequenceShardedMoE(MoELayer):
+        """Megatron's `MoELayer` in a model that is not sequence parallel, at any tensor-parallel size.
+
+        At tp > 1 Megatron's MoE layer wants its tokens sharded by sequence over the TP group (each TP
+        rank routes 1/tp of them; the dispatcher exchanges tokens over EP and the expert-TP group and
+        the shared expert gathers them): the layer is built with `sequence_parallel=True` and its input,
+        which every TP rank holds whole, is split by sequence (padded to a multiple of tp; padded rows
+        are zeros whose outputs are dropped and whose gradients are zero), the output gathered back.
+        Backward: the gather hands each rank its own rows' gradient (the layers after it run replicated
+        over TP, so every rank holds the same full gradient), the split all-gathers the input gradient.
+        The router weight sees only this rank's tokens, so its gradient is summed over TP as autograd
+        produces it (a hook on the weight): afterwards it is the full gradient on every TP rank, like
+        any replicated parameter, and nothing downstream (DDP, ZeRO-2 shards) treats it specially."""
+
+        def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, **kwargs):
+            self._tp_group = pg_collection.tp
+            if self._tp_group.size() > 1:
+                config = dataclasses.replace(config, sequence_parallel=True)
+            super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                             pg_collection=pg_collection, **kwargs)
+            if self._tp_group.size() > 1:
+                self.router.weight.register_hook(self._sum_over_tp)
+
+        def _sum_over_tp(self, grad):
+            grad = grad.clone()
+            dist.all_reduce(grad, group=self._tp_group)
+            return grad
+
+        def forward(self, hidden_states, *args, **kwargs):
+            tp = self._tp_group.size()
+            if tp == 1:
+                return super().forward(hidden_states, *args, **kwargs)
+            S = hidden_states.shape[0]
+            if S % tp:
+                hidden_states = F.pad(hidden_states, (0, 0, 0, 0, 0, tp - S % tp))
+            local = scatter_to_sequence_parallel_region(hidden_states, group=self._tp_group)
+            out, bias = super().forward(local, *args, **kwargs)
+            full = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False, group=self._tp_group)
+            return full[:S], bias
+
+    _CLASS = SequenceShardedMoE
+    return _CLASS

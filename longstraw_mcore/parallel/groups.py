@@ -88,8 +88,11 @@ def setup_parallel(cfg: RunConfig) -> Parallel:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    # experts are not split by TP (expert tensor parallel 1: each EP rank holds whole experts), the
+    # usual choice for fine-grained MoE; with it the dispatcher needs no uneven all-gathers
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
-                                             context_parallel_size=p.cp, expert_model_parallel_size=p.ep)
+                                             context_parallel_size=p.cp, expert_model_parallel_size=p.ep,
+                                             expert_tensor_parallel_size=1)
     torch.manual_seed(cfg.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     pgs = ProcessGroupCollection.use_mpu_process_groups()

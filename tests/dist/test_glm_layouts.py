@@ -96,9 +96,8 @@ def _two_groups(m):
 def _worker(rank, world_size):
     from test_replay_equivalence import make_group
 
-    # TP=2 on the all-dense variant: Megatron's MoE layer refuses TP > 1 without sequence parallelism;
     # PP=2 splits [1, 3]: the second stage starts at a full indexer layer (layer types full, full, shared, full)
-    out = _compare_layouts([("tp2 (dense layers)", 4, dict(tp=2)), ("ep2 x dp2", 1, dict(ep=2)),
+    out = _compare_layouts([("tp2", 1, dict(tp=2)), ("ep2 x dp2", 1, dict(ep=2)),
                             ("pp2 [1, 3]", 1, dict(pp=2, pp_layers=[1, 3]))], _two_groups)
     # different numbers of capture chunks on the two EP ranks: refused before any model work (no hang)
     from longstraw_mcore.config import GRPOConfig, ReplayConfig
@@ -118,7 +117,7 @@ def _worker(rank, world_size):
 
 
 def _worker4(rank, world_size):
-    return _compare_layouts([("pp2 [1, 3] x ep2", 1, dict(pp=2, pp_layers=[1, 3], ep=2)),
+    return _compare_layouts([("tp2 x ep2", 1, dict(tp=2, ep=2)), ("pp2 [1, 3] x ep2", 1, dict(pp=2, pp_layers=[1, 3], ep=2)),
                              ("pp2 [3, 1] x dp2", 1, dict(pp=2, pp_layers=[3, 1]))], _two_groups)
 
 

@@ -74,7 +74,8 @@ def build_glm(m, tp: int = 1, ep: int = 1):
     cpu_compat.enable("cpu")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=1)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     par = SimpleNamespace(tp=tp, pp=1, cp=1, ep=ep, pgs=pgs, is_first_stage=True, is_last_stage=True,
                           dp=dist.get_world_size() // tp)
