@@ -233,8 +233,6 @@ class GlmDsaConfig(_ModelCommon):
             valid = [e for e in range(1, self.n_routed_experts + 1) if self.n_routed_experts % e == 0 and e <= 64]
             raise ConfigError(f"model.n_routed_experts={self.n_routed_experts} is not divisible by parallel.ep={p.ep}; "
                               f"expert parallel sizes that divide it: {valid}")
-        if p.cp != 1:
-            raise ConfigError(f"parallel.cp={p.cp}: the GLM-5.x family runs at cp=1 for now")
         if self.num_layers < p.pp:
             raise ConfigError(f"parallel.pp={p.pp} exceeds model.num_layers={self.num_layers}")
         stages = p.stage_layers(self.num_layers)

@@ -27,8 +27,9 @@ Branch replay: under a prompt-state context the layer hands its tokens' latents 
 full layers the indexer key) to `ctx.latent` and attends to what it returns (prompt_state/mla.py).
 Pipeline parallelism: every stage starts with a full indexer layer (GlmDsaConfig.check_layout), so
 IndexShare never crosses a stage boundary (a shared layer's top-k comes from a full layer on its own
-stage). Not yet: context parallelism for this family, the latent sharded by sequence inside the TP
-group, TP together with MoE layers (Megatron's MoE layer needs sequence parallelism at tp > 1).
+stage). Context parallelism: the prompt state sharded by sequence, the top-k merged globally and the
+attention by log-sum-exp (parallel/cp_dsa.py). Not yet: the latent sharded by sequence inside the TP
+group.
 """
 
 from __future__ import annotations
@@ -170,6 +171,9 @@ class MLADSAMixer(MegatronModule):
         Dn, Dr, Dv, R = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
         own = self._own(x, pos)
         keys = ctx.latent(self.layer_number, own) if ctx is not None else own
+        layout = getattr(ctx, "layout", None)
+        if layout is not None:
+            return self._forward_cp(x, pos, keys, ctx, layout)
         q_resid = self.q_a_layernorm(self.q_a_proj(x)[0])
         q = self.q_b_proj(q_resid)[0].view(B, S, self.h, Dn + Dr)
         q_nope, q_pe = q.split([Dn, Dr], -1)
@@ -184,6 +188,55 @@ class MLADSAMixer(MegatronModule):
         k_pe = copy_to_tensor_model_parallel_region(keys.pe, group=self.tp_group)
         w = self.kv_b_proj.weight.view(self.h, Dn + Dv, R)
         o = mla_sparse(q_nope, q_pe, c, k_pe, w[:, :Dn], w[:, Dn:], idx, valid, self.scale)
+        out, _ = self.o_proj(o.reshape(B, S, self.h * Dv).transpose(0, 1).contiguous())
+        return out, None
+
+    def _forward_cp(self, x, pos, keys: MLAKeys, ctx, layout):
+        """Context parallel: this rank holds its keys (parallel/cp_dsa.py). A chunk's queries are this
+        rank's zig-zag rows, gathered to the whole chunk; a branch's are whole on every rank."""
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region as copy_to
+
+        from longstraw_mcore.parallel.cp_comm import gather_tokens
+        from longstraw_mcore.parallel.cp_dsa import GatherTokens, LocalRows, cp_mla_sparse, cp_select
+
+        m, g = self.m, layout.group
+        B, S, _ = x.shape
+        Dn, Dr, Dv, R = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        chunk = hasattr(ctx, "T")
+        q_resid = self.q_a_layernorm(self.q_a_proj(x)[0])
+        q = self.q_b_proj(q_resid)[0].view(B, S, self.h, Dn + Dr)
+        q_nope, q_pe = q.split([Dn, Dr], -1)
+        q_pe = rope_interleaved(q_pe, pos, m.rope_theta)
+        w = self.kv_b_proj.weight.view(self.h, Dn + Dv, R)
+        w_uk, w_uv = w[:, :Dn], w[:, Dn:]
+        if chunk:
+            T = ctx.T
+            q_nope, q_pe = GatherTokens.apply(q_nope, layout, T), GatherTokens.apply(q_pe, layout, T)
+            q_pos = ctx.span[0] + torch.arange(T, device=x.device)
+        else:  # replicated queries and W_UK in a per-rank partial: their gradient sums over the ranks
+            q_nope, q_pe, w_uk = (copy_to(t, group=g) for t in (q_nope, q_pe, w_uk))
+            q_pos = pos
+        if self.full:
+            with torch.no_grad():
+                ix = self.indexer
+                qi = ix.wq_b(q_resid)[0].view(B, S, m.index_n_heads, m.index_head_dim)
+                qi = torch.cat([rope_interleaved(qi[..., :Dr], pos, m.rope_theta), qi[..., Dr:]], -1)
+                wi = ix.weights_proj(x)[0] * m.index_n_heads ** -0.5
+                if chunk:
+                    qi, wi = gather_tokens(qi, layout, ctx.T), gather_tokens(wi, layout, ctx.T)
+                scores = indexer_scores(qi, keys.ik, wi, q_pos, keys.pos)
+                if keys.counted is not None:
+                    scores = scores.masked_fill(~keys.counted, float("-inf"))
+                self.share.selection = cp_select(scores, keys.pos, m.index_topk, layout)
+        elif self.share.selection is None:
+            raise RuntimeError(f"layer {self.layer_number} shares the top-k of a previous full layer, but none ran")
+        sel, valid = self.share.selection
+        c = copy_to_tensor_model_parallel_region(keys.c, group=self.tp_group)
+        k_pe = copy_to_tensor_model_parallel_region(keys.pe, group=self.tp_group)
+        o_lat = cp_mla_sparse(q_nope, q_pe, c, k_pe, keys.pos, keys.counted, w_uk, sel, valid, self.scale, layout)
+        if chunk:
+            o_lat = LocalRows.apply(o_lat, layout, ctx.T)
+        o = torch.einsum("bshr,hvr->bshv", o_lat, w_uv)
         out, _ = self.o_proj(o.reshape(B, S, self.h * Dv).transpose(0, 1).contiguous())
         return out, None
 

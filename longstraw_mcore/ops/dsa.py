@@ -81,3 +81,24 @@ def mla_sparse(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_p
     p = torch.softmax(logits, dim=-1).to(c_kv.dtype)
     o_lat = torch.einsum("bshk,bskr->bshr", p, c_sel)                          # attention output, latent
     return torch.einsum("bshr,hvr->bshv", o_lat, w_uv)
+
+
+def mla_sparse_partial(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                       w_uk: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mla_sparse` over a part of the keys, before the value up-projection: (o_lat [B, S, H, R], the
+    softmax-weighted latents over this part's valid keys; lse [B, S, H], their log-sum-exp, -inf where a
+    query has none here). Parts merge by log-sum-exp (parallel/cp_dsa.py); then o = o_lat W_UV."""
+    work = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
+    B, S, k = idx.shape
+    q_abs = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)
+    flat = idx.reshape(B, S * k)
+    c_sel = torch.gather(c_kv, 1, flat[..., None].expand(-1, -1, c_kv.shape[-1])).view(B, S, k, -1)
+    pe_sel = torch.gather(k_pe, 1, flat[..., None].expand(-1, -1, k_pe.shape[-1])).view(B, S, k, -1)
+    logits = (torch.einsum("bshr,bskr->bshk", q_abs, c_sel)
+              + torch.einsum("bshd,bskd->bshk", q_pe, pe_sel)).to(work) * scale
+    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    none = torch.isinf(lse)
+    p = torch.exp(logits - torch.where(none, torch.zeros_like(lse), lse)[..., None]).to(c_kv.dtype)
+    return torch.einsum("bshk,bskr->bshr", p, c_sel), lse

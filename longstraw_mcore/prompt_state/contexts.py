@@ -51,11 +51,6 @@ from longstraw_mcore.parallel.cp import CPLayout, local_positions
 from longstraw_mcore.prompt_state.containers import PromptState
 
 
-def _no_cp(layout) -> None:
-    if layout is not None:
-        raise NotImplementedError("context parallelism for MLA latent state (GLM-5.x) is not built yet")
-
-
 class _Base(StateHooks):
     def __init__(self, state: PromptState, offset: int, layout: CPLayout | None = None):
         self.state, self.position_offset, self.layout = state, offset, layout
@@ -114,7 +109,6 @@ class CaptureContext(_ChunkBase):
         return self.state.layers[n].capture_read(self.chunk, self.keep_boundaries)
 
     def latent(self, n: int, own):
-        _no_cp(self.layout)
         return self.state.layers[n].capture_latent(own, self.local_span[0])
 
     def write(self, n: int, new) -> None:
@@ -143,8 +137,17 @@ class ReplayContext(_Base):
         return self.state.layers[n].replay_read(self.batch)
 
     def latent(self, n: int, own):
-        _no_cp(self.layout)
-        return self.state.layers[n].replay_latent(own)
+        if self.layout is None:
+            return self.state.layers[n].replay_latent(own)
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region as copy_to
+
+        from longstraw_mcore.prompt_state.mla import MLAKeys
+
+        # the branch's own latents are replicated and counted on rank 0 only: their gradient (rank 0's)
+        # is summed over the ranks so that every replica holds it (parallel/cp_dsa.py)
+        g = self.layout.group
+        own = MLAKeys(copy_to(own.c, group=g), copy_to(own.pe, group=g), own.ik, own.pos)
+        return self.state.layers[n].replay_latent(own, own_counted=self.layout.rank == 0)
 
     def write(self, n: int, new) -> None:
         pass  # the branch's own state is scratch of its graph
@@ -162,8 +165,7 @@ class RecomputeContext(_ChunkBase):
         return self.state.layers[n].recompute_read(self.chunk, self.deposit_scale)
 
     def latent(self, n: int, own):
-        _no_cp(self.layout)
-        return self.state.layers[n].recompute_latent(own, self.chunk, self.local_span)
+        return self.state.layers[n].recompute_latent(own, self.chunk, self.local_span, self.deposit_scale)
 
     def write(self, n: int, new) -> None:
         self.state.layers[n].recompute_write(self.chunk, new)

@@ -16,8 +16,11 @@ Bytes per position: (R + Dr) in the model dtype, + Di on full indexer layers. GL
 78 x 576 x 2 + 21 x 128 x 2 = 95,232 B per position. Exact mode adds the float32 leaves' gradient
 (and, below float32, a float32 copy of the state).
 
-Not yet (said where they would go): context parallelism and the sequence sharding inside the TP
-group (one latent for all heads: it is replicated on every TP rank today), and a gradient that skips
+Context parallelism: each rank keeps its zig-zag share of every chunk's rows, with their global
+positions (parallel/cp_dsa.py selects and attends across ranks).
+
+Not yet (said where they would go): the sequence sharding inside the TP group (one latent for all
+heads: it is replicated on every TP rank today), and a gradient that skips
 the full-size temporary of a gather's backward (today each replayed branch's latent gradient is
 materialised at full prompt size per layer before it is added to the leaf).
 """
@@ -39,7 +42,8 @@ class MLAKeys:
     c: torch.Tensor            # [B, T, R]
     pe: torch.Tensor           # [B, T, Dr]
     ik: torch.Tensor | None    # [B, T, Di]
-    pos: torch.Tensor          # [T]
+    pos: torch.Tensor          # [T] global positions
+    counted: torch.Tensor | None = None  # [T] bool: rows this rank counts under CP (None: all)
 
 
 def _cat(a, b):
@@ -59,6 +63,9 @@ class MLALatentState(LayerState):
         self.pe = torch.zeros(batch, captured, m.qk_rope_head_dim, dtype=self.dtype, device=device)
         self.ik = torch.zeros(batch, captured, m.index_head_dim, dtype=self.dtype, device=device) \
             if self.indexer else None
+        # the global position of each row (under CP this rank's zig-zag shares of the chunks; bookkeeping,
+        # not state: 8 B per position and layer kind, not counted in `kept`)
+        self.pos = torch.zeros(captured, dtype=torch.long, device=device)
         self.length = 0
         self.leaves: tuple | None = None
         self.produced: dict = {}
@@ -77,9 +84,10 @@ class MLALatentState(LayerState):
         self.pe[:, local_offset:end].copy_(own.pe)
         if self.ik is not None:
             self.ik[:, local_offset:end].copy_(own.ik)
+        self.pos[local_offset:end] = own.pos
         self.length = end
         return MLAKeys(self.c[:, :end], self.pe[:, :end], None if self.ik is None else self.ik[:, :end],
-                       torch.arange(end, device=self.c.device))
+                       self.pos[:end])
 
     # --- replay ---------------------------------------------------------------------------------
     def _state(self, end: int):
@@ -89,10 +97,15 @@ class MLALatentState(LayerState):
         c, pe = (x[:, :end].to(self.dtype) for x in self.leaves)
         return [c, pe, None if self.ik is None else self.ik[:, :end]]
 
-    def replay_latent(self, own: MLAKeys) -> MLAKeys:
+    def replay_latent(self, own: MLAKeys, own_counted: bool = True) -> MLAKeys:
+        """The state and the branch's own latents; `own_counted=False` (CP ranks other than 0): the own
+        rows are present (their gradient path runs on every rank) but not counted here."""
         c, pe, ik = self._state(self.length)
+        counted = None
+        if not own_counted:
+            counted = torch.arange(self.length + own.pos.shape[0], device=own.pos.device) < self.length
         return MLAKeys(_cat(c, own.c), _cat(pe, own.pe), None if ik is None else _cat(ik, own.ik),
-                       torch.cat([torch.arange(self.length, device=own.pos.device), own.pos]))
+                       torch.cat([self.pos[:self.length], own.pos]), counted)
 
     # --- exact mode -----------------------------------------------------------------------------
     def enable_grad(self) -> None:
@@ -103,13 +116,19 @@ class MLALatentState(LayerState):
     def release_grad(self) -> None:
         self.leaves, self.produced = None, {}
 
-    def recompute_latent(self, own: MLAKeys, chunk: int, local_span: tuple[int, int]) -> MLAKeys:
+    def recompute_latent(self, own: MLAKeys, chunk: int, local_span: tuple[int, int],
+                         deposit_scale: float = 1.0) -> MLAKeys:
+        """`deposit_scale`: what the chunk's backward deposits into the earlier rows' gradient is scaled
+        by it (1/n under CP, whose recompute seeds are n times the gradient: prompt_state/contexts.py)."""
+        from longstraw_mcore.ops.scale_grad import scale_grad
+
         ls0, ls1 = local_span
         assert self.leaves is not None and own.c.shape[1] == ls1 - ls0, (own.c.shape, local_span)
         self.produced[chunk] = (own.c, own.pe, local_span)
         c, pe, ik = self._state(ls0)
+        c, pe = scale_grad(c, deposit_scale), scale_grad(pe, deposit_scale)
         return MLAKeys(_cat(c, own.c), _cat(pe, own.pe), None if ik is None else _cat(ik, own.ik),
-                       torch.cat([torch.arange(ls0, device=own.pos.device), own.pos]))
+                       torch.cat([self.pos[:ls0], own.pos]))
 
     def outputs(self, chunk: int) -> list[torch.Tensor]:
         assert chunk in self.produced, f"the recompute of chunk {chunk} did not reach this layer"

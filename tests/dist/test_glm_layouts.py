@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "replay"))
 
 
-def _build(m, tp: int = 1, ep: int = 1, pp: int = 1, pp_layers=None):
+def _build(m, tp: int = 1, ep: int = 1, pp: int = 1, pp_layers=None, cp: int = 1):
     """This rank's model of `m` at the layout (through RunConfig and setup_parallel, as the CLI builds
     it), wrapped in Megatron DDP."""
     from longstraw_mcore.config import ParallelConfig, RunConfig
@@ -33,7 +33,7 @@ def _build(m, tp: int = 1, ep: int = 1, pp: int = 1, pp_layers=None):
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.train.trainer import wrap_ddp
 
-    cfg = RunConfig(model=m, parallel=ParallelConfig(tp=tp, ep=ep, pp=pp, pp_layers=pp_layers), device="cpu")
+    cfg = RunConfig(model=m, parallel=ParallelConfig(tp=tp, ep=ep, pp=pp, pp_layers=pp_layers, cp=cp), device="cpu")
     par = setup_parallel(cfg)
     model = get_family(m.family).build_model(m, par, "cpu")
     return model, wrap_ddp(model, cfg, par), par
@@ -97,7 +97,7 @@ def _worker(rank, world_size):
     from test_replay_equivalence import make_group
 
     # PP=2 splits [1, 3]: the second stage starts at a full indexer layer (layer types full, full, shared, full)
-    out = _compare_layouts([("tp2", 1, dict(tp=2)), ("ep2 x dp2", 1, dict(ep=2)),
+    out = _compare_layouts([("cp2", 1, dict(cp=2)), ("tp2", 1, dict(tp=2)), ("ep2 x dp2", 1, dict(ep=2)),
                             ("pp2 [1, 3]", 1, dict(pp=2, pp_layers=[1, 3]))], _two_groups)
     # different numbers of capture chunks on the two EP ranks: refused before any model work (no hang)
     from longstraw_mcore.config import GRPOConfig, ReplayConfig
@@ -118,7 +118,17 @@ def _worker(rank, world_size):
 
 def _worker4(rank, world_size):
     return _compare_layouts([("tp2 x ep2", 1, dict(tp=2, ep=2)), ("pp2 [1, 3] x ep2", 1, dict(pp=2, pp_layers=[1, 3], ep=2)),
-                             ("pp2 [3, 1] x dp2", 1, dict(pp=2, pp_layers=[3, 1]))], _two_groups)
+                             ("cp2 x ep2", 1, dict(cp=2, ep=2))], _two_groups)
+
+
+def _worker8(rank, world_size):
+    return _compare_layouts([("tp2 x cp2 x ep2", 1, dict(tp=2, cp=2, ep=2)),
+                             ("pp2 [1, 3] x cp2 x ep2", 1, dict(pp=2, pp_layers=[1, 3], cp=2, ep=2))], _two_groups)
+
+
+def test_glm_tp2_cp2_ep2_and_pp2_cp2_ep2_on_8_ranks_equal_single_rank():
+    for rank, out in enumerate(run_ranks(_worker8, 8, timeout_s=1200)):
+        check_steps(out, rank, prefix="GLM ")
 
 
 def test_glm_pp2_ep2_on_4_ranks_equal_single_rank():

@@ -184,8 +184,9 @@ def test_glm_bad_input_is_refused_with_the_value():
     m = glm_5_2()
     with pytest.raises(ConfigError, match=r"n_routed_experts=256 is not divisible by parallel.ep=3; .*\[1, 2, 4"):
         m.check_layout(ParallelConfig(ep=3))
-    with pytest.raises(ConfigError, match=r"parallel.cp=2: the GLM-5.x family runs at cp=1 for now"):
-        m.check_layout(ParallelConfig(cp=2))
+    with pytest.raises(ConfigError, match=r"parallel.pp_layers=\[39, 39\]: stage\(s\) would start at layer\(s\) \[39\]"):
+        m.check_layout(ParallelConfig(pp=2))  # layer 39 reuses layer 38's top-k: a stage cannot start there
+    m.check_layout(ParallelConfig(pp=2, pp_layers=[38, 40], cp=2, tp=2))
     m.check_layout(ParallelConfig(ep=8))
     tiny = glm_5_2(num_layers=2, indexer_types=["full", "shared"], first_k_dense_replace=1, n_routed_experts=4,
                    num_experts_per_tok=2, hidden_size=4, intermediate_size=4, moe_intermediate_size=2, vocab_size=8)
