@@ -111,4 +111,6 @@ def _layer_receipt(m, touched: dict) -> dict:
     if getattr(m, "indexer_types", None) is not None:
         out["index_share_schedule"] = {"indexer_types": list(m.indexer_types),
                                        "full_layers": [i for i, t in enumerate(m.indexer_types) if t == "full"]}
+        out["indexer_gradient"] = ("none: the DSA top-k selection is not differentiable, so the indexer weights get "
+                                   "no policy gradient (as in the transformers reference)")
     return out

@@ -59,6 +59,7 @@ def test_glm_5_2_78_layers_validate_on_8_ranks_equals_one_rank(tmp_path):
     assert r["layers_touched"] == r["num_layers"] == 78 == len(r["layers"])
     full = [i for i, t in enumerate(m.indexer_types) if t == "full"]
     assert r["index_share_schedule"]["full_layers"] == full == [0, 1, 2] + list(range(6, 78, 4))
+    assert r["indexer_gradient"].startswith("none")
     for e in r["layers"]:
         i = e["layer"]
         assert e["type"] == ("mla_dsa_full" if i in full else "mla_dsa_shared")
