@@ -174,6 +174,9 @@ class GlmDsaConfig(_ModelCommon):
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-5
     attention_block: int = 1024
+    index_block: int = 4096
+    """Keys scored per block by the indexer (a running top-k between blocks): its scores take
+    queries x (index_topk + index_block) values instead of queries x keys."""
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
     make_vocab_size_divisible_by: int = 1
 
@@ -183,7 +186,7 @@ class GlmDsaConfig(_ModelCommon):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_attention_heads",
                      "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                      "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts", "num_experts_per_tok",
-                     "moe_intermediate_size", "attention_block", "make_vocab_size_divisible_by"):
+                     "moe_intermediate_size", "attention_block", "index_block", "make_vocab_size_divisible_by"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"model.{name}={v!r}: must be a positive integer")

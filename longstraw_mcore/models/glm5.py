@@ -54,7 +54,7 @@ from longstraw_mcore.config import GlmDsaConfig
 from longstraw_mcore.models.glm_moe import moe_config_kwargs, sequence_sharded_moe_spec
 from longstraw_mcore.models.norms import RMSNorm
 from longstraw_mcore.models.qwen3_5 import Qwen35HybridModel, pipeline_kwargs
-from longstraw_mcore.ops.dsa import indexer_scores, mla_sparse, rope_interleaved, select_topk
+from longstraw_mcore.ops.dsa import indexer_topk, mla_sparse, rope_interleaved
 from longstraw_mcore.prompt_state.mla import MLAKeys
 
 
@@ -115,6 +115,9 @@ class MLADSAMixer(MegatronModule):
         assert m is not None and share is not None, "MLADSAMixer needs model_cfg and share (the spec passes them)"
         self.layer_number, self.share, self.m = layer_number, share, m
         self.tp_group = pg_collection.tp
+        # the TP group as one "KV group" (setup_parallel makes it for this family at tp > 1): the prompt
+        # state is striped over it by sequence rather than replicated (prompt_state/mla.py)
+        self.kv = getattr(pg_collection, "tp_kv", None)
         tp = self.tp_group.size()
         if m.num_attention_heads % tp:
             raise ValueError(f"model.num_attention_heads={m.num_attention_heads} is not divisible by tp={tp}")
@@ -152,7 +155,8 @@ class MLADSAMixer(MegatronModule):
         qi = ix.wq_b(q_resid)[0].view(B, S, m.index_n_heads, m.index_head_dim)
         qi = torch.cat([rope_interleaved(qi[..., :Dr], pos, m.rope_theta), qi[..., Dr:]], -1)
         w = ix.weights_proj(x)[0] * m.index_n_heads ** -0.5
-        return select_topk(indexer_scores(qi, keys.ik, w, pos, keys.pos), m.index_topk)
+        rows, vals = indexer_topk(qi, keys.ik, w, pos, keys.pos, m.index_topk, m.index_block)
+        return rows, vals > float("-inf")
 
     def _own(self, x, pos) -> MLAKeys:
         """The latents of this call's tokens at positions `pos` (the state a later token needs)."""
@@ -172,8 +176,8 @@ class MLADSAMixer(MegatronModule):
         own = self._own(x, pos)
         keys = ctx.latent(self.layer_number, own) if ctx is not None else own
         layout = getattr(ctx, "layout", None)
-        if layout is not None:
-            return self._forward_cp(x, pos, keys, ctx, layout)
+        if ctx is not None and (layout is not None or self.kv is not None):
+            return self._forward_sharded(x, pos, own, keys, ctx, layout)
         q_resid = self.q_a_layernorm(self.q_a_proj(x)[0])
         q = self.q_b_proj(q_resid)[0].view(B, S, self.h, Dn + Dr)
         q_nope, q_pe = q.split([Dn, Dr], -1)
@@ -191,50 +195,64 @@ class MLADSAMixer(MegatronModule):
         out, _ = self.o_proj(o.reshape(B, S, self.h * Dv).transpose(0, 1).contiguous())
         return out, None
 
-    def _forward_cp(self, x, pos, keys: MLAKeys, ctx, layout):
-        """Context parallel: this rank holds its keys (parallel/cp_dsa.py). A chunk's queries are this
-        rank's zig-zag rows, gathered to the whole chunk; a branch's are whole on every rank."""
+    def _forward_sharded(self, x, pos, own: MLAKeys, keys: MLAKeys, ctx, layout):
+        """The prompt state sharded by sequence over the TP group (`self.kv`) and/or the CP ranks
+        (`layout`): this rank holds its keys (parallel/cp_dsa.py). Queries: a chunk's are this CP rank's
+        zig-zag rows, gathered to the whole chunk; a branch's are whole on every CP rank; inside the TP
+        group every rank takes every head's queries and keeps its heads' output."""
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region as copy_to
 
         from longstraw_mcore.parallel.cp_comm import gather_tokens
-        from longstraw_mcore.parallel.cp_dsa import GatherTokens, LocalRows, cp_mla_sparse, cp_select
+        from longstraw_mcore.parallel.cp_dsa import (GatherHeads, GatherTokens, LocalHeads, LocalRows, cp_select,
+                                                     sharded_mla_sparse)
 
-        m, g = self.m, layout.group
+        m, kv = self.m, self.kv
         B, S, _ = x.shape
         Dn, Dr, Dv, R = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
-        chunk = hasattr(ctx, "T")
+        rows = layout is not None and hasattr(ctx, "T")  # a chunk split over CP ranks
+        levels = [g for g in (kv, layout) if g is not None]
         q_resid = self.q_a_layernorm(self.q_a_proj(x)[0])
         q = self.q_b_proj(q_resid)[0].view(B, S, self.h, Dn + Dr)
         q_nope, q_pe = q.split([Dn, Dr], -1)
         q_pe = rope_interleaved(q_pe, pos, m.rope_theta)
         w = self.kv_b_proj.weight.view(self.h, Dn + Dv, R)
         w_uk, w_uv = w[:, :Dn], w[:, Dn:]
-        if chunk:
-            T = ctx.T
-            q_nope, q_pe = GatherTokens.apply(q_nope, layout, T), GatherTokens.apply(q_pe, layout, T)
-            q_pos = ctx.span[0] + torch.arange(T, device=x.device)
-        else:  # replicated queries and W_UK in a per-rank partial: their gradient sums over the ranks
-            q_nope, q_pe, w_uk = (copy_to(t, group=g) for t in (q_nope, q_pe, w_uk))
-            q_pos = pos
+        q_pos = pos
+        if rows:
+            q_nope, q_pe = GatherTokens.apply(q_nope, layout, ctx.T), GatherTokens.apply(q_pe, layout, ctx.T)
+            q_pos = ctx.span[0] + torch.arange(ctx.T, device=x.device)
+        elif layout is not None:  # replicated queries and W_UK in a per-rank partial: gradients sum over CP
+            q_nope, q_pe, w_uk = (copy_to(t, group=layout.group) for t in (q_nope, q_pe, w_uk))
+        if kv is not None:  # every head's queries against this TP rank's stripe of the keys
+            q_nope, q_pe = GatherHeads.apply(q_nope, kv), GatherHeads.apply(q_pe, kv)
+            w_uk = GatherHeads.apply(w_uk[None, None], kv)[0, 0]
         if self.full:
             with torch.no_grad():
                 ix = self.indexer
                 qi = ix.wq_b(q_resid)[0].view(B, S, m.index_n_heads, m.index_head_dim)
                 qi = torch.cat([rope_interleaved(qi[..., :Dr], pos, m.rope_theta), qi[..., Dr:]], -1)
                 wi = ix.weights_proj(x)[0] * m.index_n_heads ** -0.5
-                if chunk:
+                if rows:
                     qi, wi = gather_tokens(qi, layout, ctx.T), gather_tokens(wi, layout, ctx.T)
-                scores = indexer_scores(qi, keys.ik, wi, q_pos, keys.pos)
-                if keys.counted is not None:
-                    scores = scores.masked_fill(~keys.counted, float("-inf"))
-                self.share.selection = cp_select(scores, keys.pos, m.index_topk, layout)
+                kr, vals = indexer_topk(qi, keys.ik, wi, q_pos, keys.pos, m.index_topk, m.index_block, keys.counted)
+                sel = keys.pos[kr]
+                for g in levels:
+                    sel, vals = cp_select(vals, sel, m.index_topk, g)
+                self.share.selection = (sel, vals > float("-inf"))
         elif self.share.selection is None:
             raise RuntimeError(f"layer {self.layer_number} shares the top-k of a previous full layer, but none ran")
         sel, valid = self.share.selection
-        c = copy_to_tensor_model_parallel_region(keys.c, group=self.tp_group)
-        k_pe = copy_to_tensor_model_parallel_region(keys.pe, group=self.tp_group)
-        o_lat = cp_mla_sparse(q_nope, q_pe, c, k_pe, keys.pos, keys.counted, w_uk, sel, valid, self.scale, layout)
-        if chunk:
+        c, k_pe = keys.c, keys.pe
+        if kv is not None and torch.is_grad_enabled():
+            # the call's own latents are computed on every TP rank: their gradient sums over the group
+            # (the state rows are each rank's own stripe: theirs stays local)
+            n = own.c.shape[1]
+            c = torch.cat([c[:, :-n], copy_to(c[:, -n:], group=self.tp_group)], 1)
+            k_pe = torch.cat([k_pe[:, :-n], copy_to(k_pe[:, -n:], group=self.tp_group)], 1)
+        o_lat = sharded_mla_sparse(q_nope, q_pe, c, k_pe, keys.pos, keys.counted, w_uk, sel, valid, self.scale, levels)
+        if kv is not None:
+            o_lat = LocalHeads.apply(o_lat, kv)
+        if rows:
             o_lat = LocalRows.apply(o_lat, layout, ctx.T)
         o = torch.einsum("bshr,hvr->bshv", o_lat, w_uv)
         out, _ = self.o_proj(o.reshape(B, S, self.h * Dv).transpose(0, 1).contiguous())

@@ -5,6 +5,7 @@ R kv_lora_rank (the latent), Dn / Dr / Dv the no-RoPE / RoPE / value head dims, 
 
     indexer_scores   I[s, t] = sum_h w[s, h] ReLU(q[s, h] . key[t]) Di^-0.5 over the keys a query sees
                      (t at or before it), -inf elsewhere; in >= float32
+    indexer_topk     the same over key blocks with a running best k (memory O(queries x (k + block)))
     select_topk      the k best keys per query with a deterministic tie-break: a higher score first,
                      among equal scores the earlier position. `torch.topk`'s order among ties depends on
                      the tensor's shape, and the indexer's ReLU makes exact-zero scores common, so
@@ -62,6 +63,30 @@ def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     order = torch.sort(-scores, dim=-1, stable=True).indices[..., :min(k, scores.shape[-1])]
     valid = torch.gather(scores, -1, order) > float("-inf")
     return order, valid
+
+
+def indexer_topk(q: torch.Tensor, key: torch.Tensor, weights: torch.Tensor, q_pos: torch.Tensor,
+                 k_pos: torch.Tensor, k: int, block: int = 4096,
+                 counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_topk(indexer_scores(...))` over key blocks of `block` rows: (rows [B, S, k'] into `key`,
+    their scores, -inf where invalid). Scores exist for one block at a time plus the running best k, so
+    memory is O(S (k + block)) rather than O(S T) (a 2M-token prompt has 2M keys per query). The keys
+    are in position order, so the running best (ties already in position order) followed by the next
+    block (later positions) and a stable sort give exactly the single-pass selection. `counted` [T]
+    bool: only those keys may be chosen (context parallelism: parallel/cp_dsa.py)."""
+    B, S = q.shape[:2]
+    best_rows = best_vals = None
+    for a in range(0, key.shape[1], block):
+        b = min(key.shape[1], a + block)
+        sc = indexer_scores(q, key[:, a:b], weights, q_pos, k_pos[a:b])
+        if counted is not None:
+            sc = sc.masked_fill(~counted[a:b], float("-inf"))
+        rows = torch.arange(a, b, device=q.device).expand(B, S, b - a)
+        if best_vals is not None:
+            sc, rows = torch.cat([best_vals, sc], -1), torch.cat([best_rows, rows], -1)
+        order, _ = select_topk(sc, k)
+        best_vals, best_rows = torch.gather(sc, -1, order), torch.gather(rows, -1, order)
+    return best_rows, best_vals
 
 
 def mla_sparse(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,

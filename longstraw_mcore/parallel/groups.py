@@ -99,8 +99,8 @@ def setup_parallel(cfg: RunConfig) -> Parallel:
     # tp > KV heads: the TP ranks sharing a KV head form a KV group (parallel/kv_group.py)
     from longstraw_mcore.parallel.kv_group import new_kv_groups
 
-    kv_heads = getattr(cfg.model, "num_key_value_heads", None)  # MLA (GLM-5.x): every head its own K/V
-    pgs.tp_kv = new_kv_groups(pgs.tp, kv_heads) if kv_heads else None
+    # (MLA, GLM-5.x: one latent serves every head, so the whole TP group is one KV group)
+    pgs.tp_kv = new_kv_groups(pgs.tp, getattr(cfg.model, "num_key_value_heads", 1))
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     return Parallel(pgs=pgs, device=dev, tp=p.tp, pp=p.pp, cp=p.cp, dp=dp, rank=dist.get_rank(), world_size=world,
                     stage_layers=stages, ep=p.ep)

@@ -16,11 +16,12 @@ Bytes per position: (R + Dr) in the model dtype, + Di on full indexer layers. GL
 78 x 576 x 2 + 21 x 128 x 2 = 95,232 B per position. Exact mode adds the float32 leaves' gradient
 (and, below float32, a float32 copy of the state).
 
-Context parallelism: each rank keeps its zig-zag share of every chunk's rows, with their global
-positions (parallel/cp_dsa.py selects and attends across ranks).
+Sharded by sequence: under context parallelism each rank keeps its zig-zag share of every chunk's
+rows, and inside the TP group (one latent serves every head) TP rank t keeps every n-th of those
+(rows i with i % n = t): 1/(tp cp) of the positions per rank, with their global positions
+(parallel/cp_dsa.py selects and attends across the ranks).
 
-Not yet (said where they would go): the sequence sharding inside the TP group (one latent for all
-heads: it is replicated on every TP rank today), and a gradient that skips
+Not yet (said where it would go): a gradient that skips
 the full-size temporary of a gather's backward (today each replayed branch's latent gradient is
 materialised at full prompt size per layer before it is added to the leaf).
 """
@@ -59,13 +60,18 @@ class MLALatentState(LayerState):
 
     def __init__(self, m, tp: int, captured: int, device, batch: int = 1, kv=None, spans=None):
         self.dtype = m.torch_dtype
-        self.c = torch.zeros(batch, captured, m.kv_lora_rank, dtype=self.dtype, device=device)
-        self.pe = torch.zeros(batch, captured, m.qk_rope_head_dim, dtype=self.dtype, device=device)
-        self.ik = torch.zeros(batch, captured, m.index_head_dim, dtype=self.dtype, device=device) \
+        # `kv`: the TP group (one latent serves every head): row i of this rank's positions is kept by
+        # TP rank i % n only (a stripe), not replicated
+        self.kv = kv
+        self.n, self.r = (kv.size, kv.rank) if kv is not None else (1, 0)
+        rows = len(range(self.r, captured, self.n))
+        self.c = torch.zeros(batch, rows, m.kv_lora_rank, dtype=self.dtype, device=device)
+        self.pe = torch.zeros(batch, rows, m.qk_rope_head_dim, dtype=self.dtype, device=device)
+        self.ik = torch.zeros(batch, rows, m.index_head_dim, dtype=self.dtype, device=device) \
             if self.indexer else None
         # the global position of each row (under CP this rank's zig-zag shares of the chunks; bookkeeping,
         # not state: 8 B per position and layer kind, not counted in `kept`)
-        self.pos = torch.zeros(captured, dtype=torch.long, device=device)
+        self.pos = torch.zeros(rows, dtype=torch.long, device=device)
         self.length = 0
         self.leaves: tuple | None = None
         self.produced: dict = {}
@@ -73,18 +79,28 @@ class MLALatentState(LayerState):
     def _tensors(self):
         return [t for t in (self.c, self.pe, self.ik) if t is not None]
 
+    def _before(self, i: int) -> int:
+        """This rank's stored rows among the first i of its positions."""
+        return len(range(self.r, i, self.n))
+
+    def _stripe(self, a: int, b: int, device) -> torch.Tensor:
+        """Which of positions [a, b) (this rank's numbering) this TP rank stores."""
+        return torch.arange(a, b, device=device) % self.n == self.r
+
     # --- capture --------------------------------------------------------------------------------
     def capture_latent(self, own: MLAKeys, local_offset: int) -> MLAKeys:
         t = own.c.shape[1]
-        if self.length != local_offset or local_offset + t > self.c.shape[1]:
-            raise ValueError(f"MLA state holds {self.length} of {self.c.shape[1]} positions; a chunk of {t} at "
+        lo = self._before(local_offset)
+        keep = self._stripe(local_offset, local_offset + t, own.c.device)
+        end = lo + int(keep.sum())
+        if self.length != lo or end > self.c.shape[1]:
+            raise ValueError(f"MLA state holds {self.length} of {self.c.shape[1]} rows; a chunk of {t} positions at "
                              f"offset {local_offset} does not continue it")
-        end = local_offset + t
-        self.c[:, local_offset:end].copy_(own.c)
-        self.pe[:, local_offset:end].copy_(own.pe)
+        self.c[:, lo:end].copy_(own.c[:, keep])
+        self.pe[:, lo:end].copy_(own.pe[:, keep])
         if self.ik is not None:
-            self.ik[:, local_offset:end].copy_(own.ik)
-        self.pos[local_offset:end] = own.pos
+            self.ik[:, lo:end].copy_(own.ik[:, keep])
+        self.pos[lo:end] = own.pos[keep]
         self.length = end
         return MLAKeys(self.c[:, :end], self.pe[:, :end], None if self.ik is None else self.ik[:, :end],
                        self.pos[:end])
@@ -102,7 +118,7 @@ class MLALatentState(LayerState):
         rows are present (their gradient path runs on every rank) but not counted here."""
         c, pe, ik = self._state(self.length)
         counted = None
-        if not own_counted:
+        if not own_counted or self.r != 0:  # the branch's own keys count on one rank of the TP group
             counted = torch.arange(self.length + own.pos.shape[0], device=own.pos.device) < self.length
         return MLAKeys(_cat(c, own.c), _cat(pe, own.pe), None if ik is None else _cat(ik, own.ik),
                        torch.cat([self.pos[:self.length], own.pos]), counted)
@@ -125,18 +141,38 @@ class MLALatentState(LayerState):
         ls0, ls1 = local_span
         assert self.leaves is not None and own.c.shape[1] == ls1 - ls0, (own.c.shape, local_span)
         self.produced[chunk] = (own.c, own.pe, local_span)
-        c, pe, ik = self._state(ls0)
+        lo = self._before(ls0)
+        c, pe, ik = self._state(lo)
         c, pe = scale_grad(c, deposit_scale), scale_grad(pe, deposit_scale)
+        counted = None
+        if self.n > 1:  # the chunk's own rows are computed on every TP rank; each counts its stripe
+            counted = torch.cat([torch.ones(lo, dtype=torch.bool, device=own.c.device),
+                                 self._stripe(ls0, ls1, own.c.device)])
         return MLAKeys(_cat(c, own.c), _cat(pe, own.pe), None if ik is None else _cat(ik, own.ik),
-                       torch.cat([self.pos[:ls0], own.pos]))
+                       torch.cat([self.pos[:lo], own.pos]), counted)
 
     def outputs(self, chunk: int) -> list[torch.Tensor]:
         assert chunk in self.produced, f"the recompute of chunk {chunk} did not reach this layer"
         return list(self.produced[chunk][:2])
 
     def seed_grads(self, chunk: int) -> list[torch.Tensor]:
+        """The gradient of the chunk's rows: this rank's stripe, assembled over the TP group (every TP
+        rank recomputes all of the chunk's latents)."""
         ls0, ls1 = self.produced[chunk][2]
-        return [x.grad[:, ls0:ls1] if x.grad is not None else torch.zeros_like(x[:, ls0:ls1]) for x in self.leaves]
+        lo, hi = self._before(ls0), self._before(ls1)
+        out = [x.grad[:, lo:hi] if x.grad is not None else torch.zeros_like(x[:, lo:hi]) for x in self.leaves]
+        if self.n == 1:
+            return out
+        import torch.distributed as dist
+
+        keep = self._stripe(ls0, ls1, out[0].device)
+        full = []
+        for g in out:
+            f = g.new_zeros(g.shape[0], ls1 - ls0, g.shape[2])
+            f[:, keep] = g
+            dist.all_reduce(f, group=self.kv.group)
+            full.append(f)
+        return full
 
     def finish_chunk(self, chunk: int) -> None:
         self.produced.pop(chunk, None)
@@ -155,16 +191,17 @@ class MLALatentState(LayerState):
 
     @classmethod
     def analytic_bytes(cls, m, tp: int, captured: int, exact_chunks: int, batch: int = 1, cp: int = 1) -> dict:
-        e = element_size(m.torch_dtype)
-        out = {"mla_latent": (m.kv_lora_rank + m.qk_rope_head_dim) * captured * e * batch}
+        """The largest TP rank's: ceil(captured / tp) rows (a stripe of this CP rank's positions)."""
+        e, rows = element_size(m.torch_dtype), -(-captured // tp)
+        out = {"mla_latent": (m.kv_lora_rank + m.qk_rope_head_dim) * rows * e * batch}
         if cls.indexer:
-            out["dsa_index_keys"] = m.index_head_dim * captured * e * batch
+            out["dsa_index_keys"] = m.index_head_dim * rows * e * batch
         return out
 
     @classmethod
     def analytic_grad_bytes(cls, m, tp: int, captured: int) -> int:
         """The float32 leaves' gradients, and the float32 leaf copies when the model dtype is narrower."""
-        n = (m.kv_lora_rank + m.qk_rope_head_dim) * captured
+        n = (m.kv_lora_rank + m.qk_rope_head_dim) * -(-captured // tp)
         copies = n if grad_dtype(m.torch_dtype) != m.torch_dtype else 0
         return (n + copies) * element_size(grad_dtype(m.torch_dtype))
 

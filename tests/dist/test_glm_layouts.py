@@ -1,19 +1,23 @@
-"""GLM-5.x branch replay does not depend on the tensor / expert parallel layout (float64, 2 gloo ranks).
+"""GLM-5.x branch replay does not depend on the parallel layout (float64, gloo, 2 / 4 / 8 ranks).
 
-The tiny config of tests/reference/test_glm_parity.py with transformers' weights. Against the same
-groups on one rank (per DP rank, through Megatron DDP + finalize_model_grads, gathered): per-group
-loss, per-token log-probs and every parameter gradient <= 1e-10, detached and exact modes, two G=8
-groups with unequal branch lengths (1 to 8, different in the two groups), chunks of 5. Layouts: TP=2 (heads split; the latent and the
-indexer computed whole on each rank, their gradients summed over TP) on the all-dense variant of the
-config, because Megatron's MoE layer refuses TP > 1 without sequence parallelism, which this
-family's mixer does not do yet; and EP=2 x DP=2 (3 of the 6 experts per rank, the alltoall
-dispatcher; each rank its own groups).
+The tiny config of tests/reference/test_glm_parity.py (4 layers: full, full, shared, full indexer;
+layer 0 dense, 1-3 MoE with 6 experts, top-k 4 keys: the sparse regime) with transformers' weights.
+Against the same groups at tp = pp = cp = ep = 1 (data parallel over the same ranks, through Megatron
+DDP + finalize_model_grads, gathered): per-group loss, per-token log-probs and every parameter
+gradient <= 1e-10, detached and exact modes, two G=8 groups with unequal branch lengths (1 to 8,
+different in the two groups), capture chunks of 5. The layouts score the indexer's keys 3 at a time
+with a running top-k, the reference in one pass.
+  2 ranks: CP=2 (state sharded by sequence, global top-k, log-sum-exp merge), TP=2 (heads split, the
+           state striped by sequence over the TP group; the MoE layer's tokens split by sequence too), EP=2 x DP=2 (3 experts per rank,
+           alltoall dispatcher, each rank its own group), PP=2 with stages [1, 3]
+  4 ranks: TP2 x EP2, PP2 x EP2, CP2 x EP2
+  8 ranks: TP2 x CP2 x EP2, PP2 x CP2 x EP2
 EP ranks whose steps differ (a different number of capture chunks) are refused before any model work.
-Not yet covered for this family: TP with MoE layers, CP, PP, 8-rank layouts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -79,7 +83,8 @@ def _compare_layouts(layouts, groups_of) -> dict:
         full = hf_to_mcore(from_transformers_state(_hf_model(hf_cfg, 5).state_dict()), m)
         groups = groups_of(m)
         ref = _steps(m, full, groups)
-        got = _steps(m, full, groups, **layout)
+        # the layout scores keys 3 at a time with a running top-k; the reference in one pass
+        got = _steps(dataclasses.replace(m, index_block=3), full, groups, **layout)
         for mode in got:
             out[(name, mode)] = compare(ref[mode], got[mode])
     return out

@@ -72,11 +72,13 @@ def test_glm_5_2_78_layers_validate_on_8_ranks_equals_one_rank(tmp_path):
         # MLA latent (kv_lora_rank + RoPE key) on every layer, the indexer key on full layers, float64
         want = (m.kv_lora_rank + m.qk_rope_head_dim + (m.index_head_dim if i in full else 0)) * 8
         assert e["state_bytes_per_position"] == want
-    # measured prompt state (the largest rank: its stage's layers x the positions its CP rank keeps of the
-    # P - 1 captured in chunks of 8) = analytic bytes per position x positions
+    # measured prompt state (the largest rank: its stage's layers x the positions it keeps: its CP rank's
+    # share of the P - 1 captured in chunks of 8, striped over the 2 TP ranks) = analytic x positions
     from longstraw_mcore.parallel.cp import local_count
 
     assert r["state_bytes_per_position"] == (16 * 78 + 8 * 21) * 8
     per_stage = [sum(e["state_bytes_per_position"] for e in r["layers"][a:b]) for a, b in ((0, 38), (38, 78))]
-    kept = max(local_count(8, 2, c) + local_count(P - 1 - 8, 2, c) for c in range(2))
+    kept = max(len(range(t, local_count(8, 2, c) + local_count(P - 1 - 8, 2, c), 2)) for c in range(2)
+               for t in range(2))
+    assert kept == 4  # of 15 positions: 1/(tp cp) each, rounded up
     assert r["state_bytes_per_group"] == [max(per_stage) * kept]

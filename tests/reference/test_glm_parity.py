@@ -86,7 +86,7 @@ def build_glm(m, tp: int = 1, ep: int = 1):
 def _worker(rank, world_size):
     from hf_reference import LiftFloat32ToFloat64
 
-    import longstraw_mcore.models.glm5 as G
+    import longstraw_mcore.ops.dsa as D
     from longstraw_mcore.checkpoint.full_state import gather_full, load_full
     from longstraw_mcore.checkpoint.glm_dsa import from_transformers_state, hf_to_mcore, skipped_names
 
@@ -101,7 +101,7 @@ def _worker(rank, world_size):
         tensors, skipped = hf_to_mcore(from_transformers_state(state), m), skipped_names(state, m)
         load_full(model, tensors)
         gaps = []
-        orig = G.select_topk
+        orig = D.select_topk
 
         def recording(scores, k, orig=orig):
             top = torch.sort(scores, -1, descending=True).values
@@ -110,14 +110,14 @@ def _worker(rank, world_size):
                 gaps.append(float((top[..., k - 1] - top[..., k])[many].min()))
             return orig(scores, k)
 
-        G.select_topk = recording
+        D.select_topk = recording
         ids = torch.randint(0, m.vocab_size, (2, seq), generator=torch.Generator().manual_seed(seed + 9))
         try:
             with LiftFloat32ToFloat64():
                 ref = hf(ids).logits
                 got = model(ids)[..., :m.vocab_size]
         finally:
-            G.select_topk = orig
+            D.select_topk = orig
         gy = torch.randn(ref.shape, dtype=D64, generator=torch.Generator().manual_seed(seed + 1))
         (ref * gy).sum().backward()
         (got * gy).sum().backward()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longstraw_mcore.ops.dsa import indexer_scores, mla_sparse, rope_interleaved, select_topk
+from longstraw_mcore.ops.dsa import indexer_scores, indexer_topk, mla_sparse, rope_interleaved, select_topk
 
 D64 = torch.float64
 
@@ -71,6 +71,16 @@ def test_sparse_mla_equals_naive_reference_on_ties():
     pre = select_topk(indexer_scores(qi[:, :7], ki[:, :7], w[:, :7], pos[:7], pos[:7]), k)
     assert torch.equal(pre[0][pre[1]], idx[:, :7, :][valid[:, :7]])
     assert not valid[:, 0, 1:].any() and valid[:, k - 1:].all()
+    # blockwise scores with a running top-k choose exactly the same keys, in the same order, whatever
+    # the block; and with some keys not counted (context parallelism) the best of the others
+    vals = torch.gather(scores, -1, idx)
+    for block in (1, 3, 7, S):
+        rows, bvals = indexer_topk(qi, ki, w, pos, pos, k, block)
+        assert torch.equal(rows[valid], idx[valid]) and torch.equal(bvals, vals), block
+    counted = torch.arange(S) % 3 != 1
+    rows, bvals = indexer_topk(qi, ki, w, pos, pos, k, 4, counted)
+    want, wvalid = select_topk(scores.masked_fill(~counted, float("-inf")), k)
+    assert torch.equal(rows[wvalid], want[wvalid]) and torch.equal(bvals > float("-inf"), wvalid)
 
 
 def _hf_attention(seed: int, topk: int, seq: int):
