@@ -32,8 +32,8 @@ def main(argv=None) -> int:
     from longstraw_mcore.families import get_family
     from longstraw_mcore.parallel.groups import setup_parallel
 
-    cfg = load_config(a.config, list(a.overrides) + ["device=cpu", "parallel.tp=1", "parallel.pp=1",
-                                                     f"seed={a.seed}"])
+    cfg = load_config(a.config, list(a.overrides) + ["device=cpu", "parallel.tp=1", "parallel.pp=1", "parallel.cp=1",
+                                                     "parallel.ep=1", "parallel.pp_layers=null", f"seed={a.seed}"])
     par = setup_parallel(cfg)
     fam = get_family(cfg.model.family)
     model = fam.build_model(cfg.model, par, "cpu")

@@ -27,6 +27,38 @@ def peak_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
+def _proc_status(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak(device: torch.device) -> int:
+    """Start a peak measurement; returns the baseline (bytes in use now). CUDA: the allocator's;
+    CPU (Linux): the resident set, whose high-water mark is reset through /proc/self/clear_refs."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _proc_status("VmRSS") or 0
+
+
+def peak_since_reset(device: torch.device) -> int:
+    """The high-water mark since `reset_peak` (bytes in use at the worst moment, baseline included)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return _proc_status("VmHWM") or peak_bytes(device)
+
+
 def measure_peak(fn: Callable[[], object], device: torch.device) -> tuple[object, int, str]:
     """Run `fn()`; return (its result, peak extra bytes, how it was measured)."""
     out, peak, _, how = measure_memory(fn, device)

@@ -33,6 +33,10 @@ def run(args) -> int:
 
     par = setup_parallel(cfg)
     import torch.distributed as dist
+
+    from longstraw_mcore.bench.memory import peak_since_reset, reset_peak
+
+    baseline = reset_peak(par.device)  # the process before the model: Python, torch, Megatron
     from megatron.core.distributed import finalize_model_grads
 
     from longstraw_mcore.parallel.reduce import grad_norm
@@ -64,7 +68,8 @@ def run(args) -> int:
     finalize_model_grads([ddp], pg_collection=par.pgs)
     gn = grad_norm(ddp.module, par)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (results, seconds, peak_bytes(par.device), probe.report()))
+    dist.all_gather_object(gathered, (results, seconds, peak_bytes(par.device), probe.report(),
+                                      peak_since_reset(par.device) - baseline))
     if par.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     if args.dump_grads:
@@ -87,6 +92,8 @@ def run(args) -> int:
             "ref_state_bytes_per_group": [merged[i]["ref_state_bytes"] for i in range(n)],
             "seconds": {k: max(g[1].get(k, 0.0) for g in gathered) for k in gathered[0][1]},
             "model": cfg.model.describe(),
+            "memory": _memory_receipt(cfg, groups, par.world_size, [g[4] for g in gathered]),
+            "software": _versions(),
             **_layer_receipt(cfg.model, merge_reports([g[3] for g in gathered], cfg.model, par.ep)),
             "config": dataclasses.asdict(cfg),
         }
@@ -113,4 +120,40 @@ def _layer_receipt(m, touched: dict) -> dict:
                                        "full_layers": [i for i, t in enumerate(m.indexer_types) if t == "full"]}
         out["indexer_gradient"] = ("none: the DSA top-k selection is not differentiable, so the indexer weights get "
                                    "no policy gradient (as in the transformers reference)")
+    return out
+
+
+def _memory_receipt(cfg, groups, world: int, measured: list[int]) -> dict:
+    """The planner's per-rank bytes for the largest group beside each rank's measured peak above the
+    process's baseline (validate builds no optimizer: the plan's optimizer term is left out)."""
+    from longstraw_mcore.planner.memory import plan_memory
+
+    P = max(len(g.prompt) for g in groups)
+    R = max(len(r) for g in groups for r in g.responses)
+    G = max(len(g.responses) for g in groups)
+    planned = plan_memory(cfg, P, R, G, world)
+    planned["optimizer"] = 0
+    planned["allocator_slack"] = 0
+    total = sum(planned.values())
+    return {"planned_per_rank_bytes": planned, "planned_total_per_rank": total,
+            "measured_peak_above_baseline_per_rank": measured,
+            "measured_over_planned_max": max(measured) / total if total else None,
+            "what_is_measured": "CUDA: allocator peak minus what was allocated before the model; CPU: peak resident "
+                                "set minus the resident set before the model (Linux /proc)",
+            "planned_for": {"prompt_len": P, "response_len": R, "group_size": G}}
+
+
+def _versions() -> dict:
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "megatron-core", "transformers", "longstraw-mcore"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    import torch
+
+    out["cuda"] = torch.version.cuda if torch.cuda.is_available() else None
     return out

@@ -68,7 +68,13 @@ def init_distributed(device: str) -> None:
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    # every collective's timeout (launch/slurm.sbatch sets it; torch's default is 10 min for NCCL, 30 for gloo)
+    timeout = os.environ.get("LONGSTRAW_DIST_TIMEOUT_S")
+    if timeout is not None and not (timeout.isdigit() and int(timeout) > 0):
+        raise ValueError(f"LONGSTRAW_DIST_TIMEOUT_S={timeout!r}: must be a positive number of seconds")
+    from datetime import timedelta
+
+    dist.init_process_group(backend, timeout=timedelta(seconds=int(timeout)) if timeout else None)
 
 
 def setup_parallel(cfg: RunConfig) -> Parallel:

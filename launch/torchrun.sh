@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One node: N ranks of a longstraw subcommand under torchrun (gloo on CPU, NCCL on CUDA: the config's
+# `device`). The environment comes from scripts/env.sh (created once, reused).
+#   bash launch/torchrun.sh 4 validate --config configs/qwen3.6-tiny.yaml --hf DIR --rollouts r.jsonl \
+#       --out runs/v parallel.tp=2 parallel.cp=2
+set -euo pipefail
+[ $# -ge 2 ] || { echo "usage: bash launch/torchrun.sh NPROC SUBCOMMAND [ARGS ...]" >&2; exit 2; }
+n=$1; shift
+case "$n" in ''|*[!0-9]*|0) echo "error: NPROC '$n' must be a positive integer" >&2; exit 2;; esac
+repo=$(cd "$(dirname "$0")/.." && pwd)
+py="${PYTHON:-$(bash "$repo/scripts/env.sh")/bin/python}"
+cd "$repo"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec env PYTHONPATH="$repo" "$py" -m torch.distributed.run --standalone --nproc-per-node "$n" -m longstraw_mcore "$@"

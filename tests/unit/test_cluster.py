@@ -1,0 +1,72 @@
+"""Cluster launch logic with a simulated Slurm environment: node-list expansion, head node, ranks per
+node, the torchrun command each node runs; and launch/slurm.sbatch end to end on this machine with a
+stand-in `srun` (one task per "node", both nodes local), running `longstraw smoke` on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from longstraw_mcore.cluster import LaunchError, expand_nodelist, slurm_allocation, torchrun_argv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_nodelist_expansion():
+    assert expand_nodelist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
+    assert expand_nodelist("a[1-2]b[8-9]") == ["a1b8", "a1b9", "a2b8", "a2b9"]
+    assert expand_nodelist("node7") == ["node7"]
+    assert expand_nodelist("h[098-101]") == ["h098", "h099", "h100", "h101"]
+    for bad in ("gpu[3-1]", "gpu[a-b]", ""):
+        with pytest.raises(LaunchError):
+            expand_nodelist(bad)
+
+
+def test_allocation_and_torchrun_command():
+    env = {"SLURM_JOB_NODELIST": "gpu[01-04]", "SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_GPUS_ON_NODE": "8",
+           "SLURM_JOB_ID": "77"}
+    a = slurm_allocation(env)
+    assert (a.head, a.node_rank, a.procs_per_node, a.world_size) == ("gpu01", 2, 8, 32)
+    argv = torchrun_argv(a, ["validate", "--config", "c.yaml", "parallel.cp=4"], python="py", port=29511,
+                         log_dir="runs/x/logs/node2")
+    assert argv == ["py", "-m", "torch.distributed.run", "--nnodes", "4", "--node-rank", "2", "--nproc-per-node", "8",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "gpu01:29511", "--rdzv-id", "77",
+                    "--log-dir", "runs/x/logs/node2", "--redirects", "3", "--tee", "3",
+                    "-m", "longstraw_mcore", "validate", "--config", "c.yaml", "parallel.cp=4"]
+    assert slurm_allocation(dict(env, SLURM_GPUS_ON_NODE="", SLURM_GPUS_PER_NODE="h100:4")).procs_per_node == 4
+    assert slurm_allocation(dict(env, LONGSTRAW_PROCS_PER_NODE="2")).procs_per_node == 2
+    for broken, want in ((dict(env, SLURM_JOB_NODELIST=""), "SLURM_JOB_NODELIST is not set"),
+                         (dict(env, SLURM_NNODES="3"), "SLURM_NNODES=3 but the node list"),
+                         ({k: v for k, v in env.items() if k != "SLURM_GPUS_ON_NODE"}, "ranks per node unknown")):
+        with pytest.raises(LaunchError, match=want):
+            slurm_allocation(broken)
+
+
+def test_sbatch_script_runs_two_nodes_with_a_stand_in_srun(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    # srun: one copy of the command per node, SLURM_NODEID set, all at once; fails if any fails
+    (fake / "srun").write_text("#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\npids=()\n"
+                               "for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i \"$@\" & pids+=($!); done\n"
+                               "rc=0; for p in \"${pids[@]}\"; do wait $p || rc=1; done; exit $rc\n")
+    (fake / "srun").chmod(0o755)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", SLURM_JOB_NODELIST="localhost,localhost",
+               SLURM_NNODES="2", SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=ROOT, LONGSTRAW_PROCS_PER_NODE="1",
+               RUN_DIR=str(tmp_path / "run"), RDZV_PORT=str(port), PYTHON=sys.executable, OMP_NUM_THREADS="1",
+               LONGSTRAW_DIST_TIMEOUT_S="300")
+    r = subprocess.run(["bash", os.path.join(ROOT, "launch/slurm.sbatch"), "smoke", "--config",
+                        "configs/qwen3.6-tiny.yaml", "--steps", "1", "--seq-len", "16", "device=cpu"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    out = r.stdout + r.stderr
+    assert "2 rank(s)" in out and "layout tp=1 pp=1 cp=1 dp=2 on 2 cpu rank(s)" in out
+    logs = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "run" / "logs").rglob("stdout.log"))
+    assert len(logs) == 2, logs  # one per rank, under its node's directory

@@ -1,0 +1,112 @@
+"""`longstraw plan` (planner/memory.py): the analytic state formulas against hand-computed values, the
+parameter count against the reference models, the Qwen3.6-27B 2M-token plan's consistency, and bad
+input refused with the value named. (Planner vs measured memory is a benchmark table, not this test.)"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cfg(path, *overrides):
+    from longstraw_mcore.config import load_config
+
+    return load_config(os.path.join(ROOT, path), list(overrides))
+
+
+def test_state_formulas_by_hand():
+    from longstraw_mcore.prompt_state.containers import analytic_state_bytes
+
+    q = _cfg("configs/qwen3.6-27b.yaml").model
+    attn = [t for t in q.layer_types if t == "full_attention"]
+    assert len(attn) == 16
+    # K and V: 4 KV heads x 256 dims x 2 (K, V) x 2 B x 16 layers = 64 KiB per position in bf16
+    assert sum(analytic_state_bytes(q, 1, 1, layer_types=attn).values()) == 4 * 256 * 2 * 2 * 16 == 64 * 1024
+    g = _cfg("configs/glm-5.2.yaml").model
+    # (512 + 64) x 2 B x 78 layers + 128 x 2 B x 21 full indexer layers = 95,232 B per position
+    assert sum(analytic_state_bytes(g, 1, 1).values()) == 576 * 2 * 78 + 128 * 2 * 21 == 95_232
+
+
+def test_parameter_count_equals_the_reference_models():
+    from hf_reference import build_hf_model, tiny_model_config
+
+    from longstraw_mcore.planner.memory import rank_params
+
+    m = tiny_model_config()
+    params = list(build_hf_model(m, seed=0).parameters())
+    total = sum(p.numel() for p in params)
+    vectors = sum(p.numel() for p in params if p.dim() == 1)
+    assert m.padded_vocab_size(2) == m.vocab_size  # no padding to account for below
+    assert rank_params(m, 1, 1, [m.num_layers], 0) == total
+    # two stages hold everything once between them; TP=2 halves every matrix, vectors are replicated
+    assert sum(rank_params(m, 1, 1, [3, m.num_layers - 3], s) for s in range(2)) == total
+    assert rank_params(m, 2, 1, [m.num_layers], 0) == (total - vectors) // 2 + vectors
+
+
+def test_qwen_27b_2m_tokens_plan_is_consistent():
+    from longstraw_mcore.commands.plan import plan
+    from longstraw_mcore.planner.memory import plan_memory
+
+    cfg = _cfg("configs/qwen3.6-27b.yaml", "parallel.tp=4", "parallel.cp=2", "replay.mode=detached")
+    P = 2_097_152
+    res = plan(cfg, P, 1024, 8, 8, "H20-96GB", 96.0, 0.05)
+    per = res["per_rank_bytes"]
+    # each rank keeps 1/cp of the positions and 1/tp of the 4 KV heads: 16 KiB per position, plus the
+    # Gated DeltaNet layers' fixed-size recurrent state and conv window
+    kv = 64 * 1024 // 4 * (P - 1) // 2
+    assert kv <= per["prompt_state"] <= kv + 2**30, per["prompt_state"]
+    assert res["device_bytes"] == 96 * 2**30
+    assert res["fits"] == (res["total_per_rank_bytes"] <= res["device_bytes"])
+    assert set(res) >= {"per_rank_bytes", "total_per_rank_bytes", "device_bytes", "fits", "max_prompt_len", "flops"}
+    mx = res["max_prompt_len"]
+    if mx:
+        assert sum(plan_memory(cfg, mx, 1024, 8, 8, cuda=True).values()) <= res["device_bytes"]
+    assert sum(plan_memory(cfg, mx + 1, 1024, 8, 8, cuda=True).values()) > res["device_bytes"]
+    assert res["flops"]["capture"] > res["flops"]["replay"] > 0
+
+
+def _plan_cli(*argv):
+    from longstraw_mcore.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["plan", *argv])
+    return rc, out.getvalue(), err.getvalue().strip()
+
+
+def test_plan_cli_json_and_bad_input():
+    q27 = os.path.join(ROOT, "configs/qwen3.6-27b.yaml")
+    rc, out, _ = _plan_cli("--config", q27, "--prompt-len", "65536", "--response-len", "512", "--group-size", "4",
+                           "--gpus", "8", "--json", "parallel.tp=4", "parallel.cp=2")
+    assert rc == 0 and json.loads(out)["inputs"]["layout"]["dp"] == 1
+    rc, out, _ = _plan_cli("--config", os.path.join(ROOT, "configs/glm-5.2.yaml"), "--prompt-len", "2097152",
+                           "--response-len", "1024", "--group-size", "8", "--gpus", "32", "parallel.cp=4")
+    assert rc == 0 and "GiB per rank" in out and "no analytic FLOP model" in out
+    for argv, want in [
+        (("--gpus", "6"), "world size 6 is not divisible by tp*pp*cp = 4*1*1"),
+        (("--gpus", "4", "--prompt-len", "0"), "prompt length 0: must be a positive integer"),
+        (("--gpus", "4", "parallel.tp=3"), "is not divisible by parallel.tp=3"),
+        (("--gpus", "4", "--device", "A100"), "--device 'A100': not a known device profile"),
+    ]:
+        base = {"--prompt-len": "4096", "--response-len": "256", "--group-size": "2"}
+        args = list(argv)
+        for k, v in base.items():
+            if k not in args:
+                args += [k, v]
+        args = ["--config", q27] + [a for a in args if "=" not in a] + [a for a in args if "=" in a]
+        rc, _, err = _plan_cli(*args)
+        assert rc == 2 and want in err, (argv, err)
+
+
+@pytest.mark.parametrize("name", ["H20-96GB", "H100-80GB", "H200-141GB"])
+def test_device_profiles(name):
+    from longstraw_mcore.planner.memory import device_profile
+
+    d = device_profile(name)
+    assert d.memory_bytes > 60 * 10**9 and d.bf16_flops > 1e14
