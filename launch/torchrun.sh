@@ -2,7 +2,7 @@
 # One node: N ranks of a longstraw subcommand under torchrun (gloo on CPU, NCCL on CUDA: the config's
 # `device`). The environment comes from scripts/env.sh (created once, reused).
 #   bash launch/torchrun.sh 4 validate --config configs/qwen3.6-tiny.yaml --hf DIR --rollouts r.jsonl \
-#       --out runs/v parallel.tp=2 parallel.cp=2
+#       --out runs/v parallel.tp=2 parallel.pp=2
 set -euo pipefail
 [ $# -ge 2 ] || { echo "usage: bash launch/torchrun.sh NPROC SUBCOMMAND [ARGS ...]" >&2; exit 2; }
 n=$1; shift

@@ -11,7 +11,7 @@
 # config is written (tiny configs); without --rollouts synthetic groups are written (PROMPT_LEN,
 # RESPONSE_LEN, GROUP_SIZE, GROUPS_N; defaults 48, 8, 4, one group per data-parallel rank).
 #   examples:
-#     bash launch/validate_full_path.sh 4 configs/qwen3.6-tiny.yaml runs/v-tp2cp2 parallel.tp=2 parallel.cp=2
+#     bash launch/validate_full_path.sh 4 configs/qwen3.6-tiny.yaml runs/v-pp2cp2 parallel.pp=2 parallel.cp=2
 #     sbatch --nodes 4 --gpus-per-node 8 --wrap "bash launch/validate_full_path.sh 32 configs/glm-5.2.yaml \
 #         runs/glm-2m --hf /ckpt/GLM-5.2 --rollouts rollouts-2m.jsonl parallel.cp=4 parallel.ep=32"
 set -euo pipefail

@@ -314,7 +314,12 @@ class ParallelConfig:
         if world_size % mp:
             raise ConfigError(f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp}"
                               f" = {mp}; launch a multiple of {mp} ranks or change parallel.*")
-        return world_size // mp
+        dp = world_size // mp
+        if (self.tp * self.cp * dp) % self.ep:  # Megatron draws the EP groups from a stage's tp x cp x dp ranks
+            raise ConfigError(f"parallel.ep={self.ep} does not divide the {self.tp * self.cp * dp} ranks of a pipeline "
+                              f"stage (tp*cp*dp = {self.tp}*{self.cp}*{dp} at world size {world_size}); launch more "
+                              f"ranks or use a smaller parallel.ep")
+        return dp
 
 
 @dataclass(kw_only=True)
