@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         r = sp.add_mutually_exclusive_group()
         r.add_argument("--ref-hf", default=None, help="reference model (HF dir) for the KL term / DPO margin")
         r.add_argument("--ref-load", default=None, help="reference model (Megatron checkpoint)")
+        sp.add_argument("--force", action="store_true",
+                        help="run even when `longstraw plan` says it does not fit a rank's memory")
         sp.add_argument("overrides", nargs="*", help="key=value config overrides")
 
     t = sub.add_parser("train", help="GRPO/DPO training with branch replay")

@@ -87,3 +87,46 @@ def check_save_dir(save: str | None, resume: bool, steps: int) -> int | None:
     if newest is None:
         return 0
     return int(newest.name.split("_")[1])
+
+
+def device_bytes(cfg, world_size: int) -> tuple[int, str]:
+    """Memory one rank may use, and where the number comes from: LONGSTRAW_DEVICE_BYTES if set; CUDA: the
+    device's total memory; CPU: physical memory / ranks on this node (LOCAL_WORLD_SIZE, or the world)."""
+    import os
+
+    if os.environ.get("LONGSTRAW_DEVICE_BYTES"):
+        return int(os.environ["LONGSTRAW_DEVICE_BYTES"]), "LONGSTRAW_DEVICE_BYTES"
+    if cfg.resolved_device() == "cuda":
+        import torch
+
+        return int(torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory), "the GPU"
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size or 1))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(ranks, 1), f"RAM / {ranks} local rank(s)"
+
+
+def check_fits(cfg, groups, world_size: int, force: bool, cmd: str) -> None:
+    """Refuse, before any allocation, a run whose plan (planner/memory.py, for the largest group) does not
+    fit a rank's memory; `--force` runs it anyway with a warning. `validate` builds no optimizer."""
+    import sys
+
+    from longstraw_mcore.planner.memory import plan_memory
+
+    P = max(len(g.prompt) for g in groups)
+    R = max(len(r) for g in groups for r in g.responses)
+    G = max(len(g.responses) for g in groups)
+    plan = plan_memory(cfg, P, R, G, world_size)
+    if cmd == "validate":
+        plan["optimizer"] = 0
+    need = sum(plan.values())
+    have, source = device_bytes(cfg, world_size)
+    if need <= have:
+        return
+    gib = 2**30
+    biggest = sorted(plan.items(), key=lambda kv: -kv[1])[:3]
+    msg = (f"the plan for this run needs {need / gib:.2f} GiB per rank (P={P}, R={R}, G={G}; largest: "
+           + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in biggest)
+           + f") but a rank has {have / gib:.2f} GiB ({source}); see `longstraw plan`, change the layout or "
+           "the mode, or pass --force to run anyway")
+    if not force:
+        raise ConfigError(msg)
+    print(f"warning: {msg} (--force given: running anyway)", file=sys.stderr, flush=True)

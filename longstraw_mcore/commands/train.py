@@ -9,7 +9,7 @@ from pathlib import Path
 
 from longstraw_mcore.commands.common import (build_and_load, launch_world_size, load_run_config, rank0_print,
                                              reference_model)
-from longstraw_mcore.commands.preflight import check_groups, check_run, check_save_dir
+from longstraw_mcore.commands.preflight import check_fits, check_groups, check_run, check_save_dir
 
 
 def run(args) -> int:
@@ -19,6 +19,7 @@ def run(args) -> int:
     check_run(cfg, "train", launch_world_size())
     groups = load_rollouts(args.rollouts, cfg.model.vocab_size)
     check_groups(cfg, groups, has_ref_model=bool(args.ref_hf or args.ref_load))
+    check_fits(cfg, groups, launch_world_size(), args.force, "train")
     start = check_save_dir(args.save, args.resume, args.steps)
     if start is not None and start >= args.steps:
         rank0_print(f"[train] {args.save} holds a complete checkpoint at step {start} >= --steps {args.steps}: "

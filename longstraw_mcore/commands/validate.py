@@ -12,7 +12,7 @@ from pathlib import Path
 
 from longstraw_mcore.commands.common import (build_and_load, launch_world_size, load_run_config, rank0_print,
                                              reference_model)
-from longstraw_mcore.commands.preflight import check_groups, check_run
+from longstraw_mcore.commands.preflight import check_fits, check_groups, check_run
 
 
 def run(args) -> int:
@@ -25,6 +25,7 @@ def run(args) -> int:
     check_run(cfg, "validate", launch_world_size())
     groups = load_rollouts(args.rollouts, cfg.model.vocab_size)
     check_groups(cfg, groups, has_ref_model=bool(args.ref_hf or args.ref_load))
+    check_fits(cfg, groups, launch_world_size(), args.force, "validate")
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out}: exists and is not an empty directory; refusing to overwrite")

@@ -110,3 +110,39 @@ def test_device_profiles(name):
 
     d = device_profile(name)
     assert d.memory_bytes > 60 * 10**9 and d.bf16_flops > 1e14
+
+
+def test_validate_and_train_refuse_a_run_the_plan_does_not_fit(tmp_path, monkeypatch, capsys):
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from make_rollouts import make_groups
+
+    from longstraw_mcore.commands.preflight import check_fits
+    from longstraw_mcore.config import ConfigError
+    from longstraw_mcore.data.rollouts import write_rollouts
+
+    roll = tmp_path / "r.jsonl"
+    write_rollouts(roll, make_groups(512, 2, 64, 3, 8, seed=1))
+    monkeypatch.setenv("LONGSTRAW_DEVICE_BYTES", str(2**20))  # a 1 MiB "device"
+    tiny = os.path.join(ROOT, "configs/qwen3.6-tiny.yaml")
+    rc, _, err = 0, "", ""
+    from longstraw_mcore.cli import main
+
+    err_buf = io.StringIO()
+    with contextlib.redirect_stderr(err_buf):
+        rc = main(["validate", "--config", tiny, "--hf", str(tmp_path), "--rollouts", str(roll), "--out",
+                   str(tmp_path / "out"), "device=cpu"])
+    err = err_buf.getvalue()
+    assert rc == 2 and "the plan for this run needs" in err and "a rank has 0.00 GiB (LONGSTRAW_DEVICE_BYTES)" in err
+    assert "--force" in err and not (tmp_path / "out").exists()
+    cfg = _cfg("configs/qwen3.6-tiny.yaml", "device=cpu")
+    from longstraw_mcore.data.rollouts import load_rollouts
+
+    groups = load_rollouts(roll, cfg.model.vocab_size)
+    with pytest.raises(ConfigError, match=r"P=64, R=8, G=3"):
+        check_fits(cfg, groups, 1, False, "train")
+    check_fits(cfg, groups, 1, True, "train")  # --force: a warning, then the run goes on
+    assert "warning: the plan for this run needs" in capsys.readouterr().err
+    monkeypatch.setenv("LONGSTRAW_DEVICE_BYTES", str(2**40))
+    check_fits(cfg, groups, 1, False, "train")
