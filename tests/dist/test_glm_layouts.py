@@ -10,7 +10,7 @@ with a running top-k, the reference in one pass.
   2 ranks: CP=2 (state sharded by sequence, global top-k, log-sum-exp merge), TP=2 (heads split, the
            state striped by sequence over the TP group; the MoE layer's tokens split by sequence too), EP=2 x DP=2 (3 experts per rank,
            alltoall dispatcher, each rank its own group), PP=2 with stages [1, 3]
-  4 ranks: TP2 x EP2, PP2 x EP2, CP2 x EP2
+  4 ranks: TP2 x EP2
   8 ranks: TP2 x CP2 x EP2, PP2 x CP2 x EP2
 EP ranks whose steps differ (a different number of capture chunks) are refused before any model work.
 """
@@ -77,12 +77,14 @@ def _compare_layouts(layouts, groups_of) -> dict:
 
     from longstraw_mcore.checkpoint.glm_dsa import from_transformers_state, hf_to_mcore
 
-    out = {}
+    out, refs = {}, {}
     for name, first_dense, layout in layouts:
         hf_cfg, m = _configs(4, first_dense)
         full = hf_to_mcore(from_transformers_state(_hf_model(hf_cfg, 5).state_dict()), m)
         groups = groups_of(m)
-        ref = _steps(m, full, groups)
+        if first_dense not in refs:  # one reference per model variant, shared by its layouts
+            refs[first_dense] = _steps(m, full, groups)
+        ref = refs[first_dense]
         # the layout scores keys 3 at a time with a running top-k; the reference in one pass
         got = _steps(dataclasses.replace(m, index_block=3), full, groups, **layout)
         for mode in got:
@@ -122,8 +124,7 @@ def _worker(rank, world_size):
 
 
 def _worker4(rank, world_size):
-    return _compare_layouts([("tp2 x ep2", 1, dict(tp=2, ep=2)), ("pp2 [1, 3] x ep2", 1, dict(pp=2, pp_layers=[1, 3], ep=2)),
-                             ("cp2 x ep2", 1, dict(cp=2, ep=2))], _two_groups)
+    return _compare_layouts([("tp2 x ep2", 1, dict(tp=2, ep=2))], _two_groups)
 
 
 def _worker8(rank, world_size):
@@ -136,7 +137,7 @@ def test_glm_tp2_cp2_ep2_and_pp2_cp2_ep2_on_8_ranks_equal_single_rank():
         check_steps(out, rank, prefix="GLM ")
 
 
-def test_glm_pp2_ep2_on_4_ranks_equal_single_rank():
+def test_glm_tp2_ep2_on_4_ranks_equal_single_rank():
     for rank, out in enumerate(run_ranks(_worker4, 4, timeout_s=900)):
         check_steps(out, rank, prefix="GLM ")
 
