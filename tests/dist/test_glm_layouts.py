@@ -97,7 +97,7 @@ def _two_groups(m):
     all-to-alls run in lockstep with different token counts (replay/engine.py refuses other steps)."""
     from test_replay_equivalence import make_group
 
-    return [make_group(m, 21, [3, 1, 7, 2, 6, 1, 4, 8], seed=81), make_group(m, 21, [5, 8, 1, 2, 7, 3, 1, 6], seed=82)]
+    return [make_group(m, 16, [3, 1, 7, 2, 6, 1, 4, 8], seed=81), make_group(m, 16, [5, 8, 1, 2, 7, 3, 1, 6], seed=82)]
 
 
 def _worker(rank, world_size):
@@ -114,7 +114,7 @@ def _worker(rank, world_size):
 
     m = _configs(4, 1)[1]
     model, ddp, par = _build(m, ep=2)
-    g = make_group(m, 21 + 2 * par.pgs.dp.rank(), [3, 1], seed=90)
+    g = make_group(m, 16 + 2 * par.pgs.dp.rank(), [3, 1], seed=90)
     try:
         process_group(ddp, g, ReplayConfig(chunk_len=5), GRPOConfig(), 1)
         out["refused"] = ""

@@ -13,21 +13,23 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _run(out, *overrides):
+def _run(out, *extra):
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", PROMPT_LEN="40", RESPONSE_LEN="6",
                GROUP_SIZE="3")
     return subprocess.run(["bash", "launch/validate_full_path.sh", "4", "configs/qwen3.6-tiny.yaml", str(out),
                            "device=cpu", "replay.chunk_len=16",
                            # 4 Gated DeltaNet key heads: they split over tp x cp = 4 ranks
-                           "model.linear_num_key_heads=4", "model.linear_num_value_heads=8", *overrides], cwd=ROOT, env=env,
+                           "model.linear_num_key_heads=4", "model.linear_num_value_heads=8", *extra], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
 
 
 def test_validate_full_path_on_4_cpu_ranks(tmp_path):
+    hf = []  # the second run takes the model the first one wrote (--hf), the script's other input path
     for name, layout, stage_of in (("tp2cp2", ("parallel.tp=2", "parallel.cp=2"), lambda i: 0),
                                    ("pp2cp2", ("parallel.pp=2", "parallel.cp=2"), lambda i: i // 4)):
         out = tmp_path / name
-        r = _run(out, *layout)
+        r = _run(out, *layout, *hf)
+        hf = ["--hf", str(tmp_path / "tp2cp2.inputs" / "hf")]
         assert r.returncode == 0, r.stderr[-3000:]
         rec = json.loads((out / "receipt.json").read_text())
         assert rec["layers_touched"] == rec["num_layers"] == 8
