@@ -146,3 +146,17 @@ def test_validate_and_train_refuse_a_run_the_plan_does_not_fit(tmp_path, monkeyp
     assert "warning: the plan for this run needs" in capsys.readouterr().err
     monkeypatch.setenv("LONGSTRAW_DEVICE_BYTES", str(2**40))
     check_fits(cfg, groups, 1, False, "train")
+
+
+def test_glm_5_2_config_file_holds_the_real_dimensions():
+    import dataclasses
+
+    from longstraw_mcore.families.glm_dsa import glm_5_2
+
+    for path in ("configs/glm-5.2.yaml", "configs/glm-5.2-32xh20.yaml"):
+        assert dataclasses.asdict(_cfg(path).model) == dataclasses.asdict(glm_5_2()), path
+    tiny = _cfg("configs/glm-5.2-tiny.yaml").model
+    assert tiny.num_layers == 78 and tiny.indexer_types == glm_5_2().indexer_types
+    assert tiny.mlp_types == glm_5_2().mlp_types
+    q, q8 = _cfg("configs/qwen3.6-27b.yaml").model, _cfg("configs/qwen3.6-27b-8xh20.yaml").model
+    assert dataclasses.asdict(q) == dataclasses.asdict(q8)
