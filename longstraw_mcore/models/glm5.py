@@ -147,15 +147,20 @@ class MLADSAMixer(MegatronModule):
         return torch.cat([rope_interleaved(ki[..., :Dr], pos, m.rope_theta), ki[..., Dr:]], -1)
 
     @torch.no_grad()
-    def _select(self, x, q_resid, pos, keys: MLAKeys):
-        """Top-k of `keys` for every query (queries at `pos`; keys at `keys.pos`)."""
+    def _index_queries(self, x, q_resid, pos):
+        """The indexer's queries (RoPE on their first dims) and per-head weights for tokens at `pos`."""
         m, ix = self.m, self.indexer
         B, S, _ = x.shape
         Dr = m.qk_rope_head_dim
         qi = ix.wq_b(q_resid)[0].view(B, S, m.index_n_heads, m.index_head_dim)
         qi = torch.cat([rope_interleaved(qi[..., :Dr], pos, m.rope_theta), qi[..., Dr:]], -1)
-        w = ix.weights_proj(x)[0] * m.index_n_heads ** -0.5
-        rows, vals = indexer_topk(qi, keys.ik, w, pos, keys.pos, m.index_topk, m.index_block)
+        return qi, ix.weights_proj(x)[0] * m.index_n_heads ** -0.5
+
+    @torch.no_grad()
+    def _select(self, x, q_resid, pos, keys: MLAKeys):
+        """Top-k of `keys` for every query (queries at `pos`; keys at `keys.pos`)."""
+        qi, w = self._index_queries(x, q_resid, pos)
+        rows, vals = indexer_topk(qi, keys.ik, w, pos, keys.pos, self.m.index_topk, self.m.index_block)
         return rows, vals > float("-inf")
 
     def _own(self, x, pos) -> MLAKeys:
@@ -228,10 +233,7 @@ class MLADSAMixer(MegatronModule):
             w_uk = GatherHeads.apply(w_uk[None, None], kv)[0, 0]
         if self.full:
             with torch.no_grad():
-                ix = self.indexer
-                qi = ix.wq_b(q_resid)[0].view(B, S, m.index_n_heads, m.index_head_dim)
-                qi = torch.cat([rope_interleaved(qi[..., :Dr], pos, m.rope_theta), qi[..., Dr:]], -1)
-                wi = ix.weights_proj(x)[0] * m.index_n_heads ** -0.5
+                qi, wi = self._index_queries(x, q_resid, pos)
                 if rows:
                     qi, wi = gather_tokens(qi, layout, ctx.T), gather_tokens(wi, layout, ctx.T)
                 kr, vals = indexer_topk(qi, keys.ik, wi, q_pos, keys.pos, m.index_topk, m.index_block, keys.counted)

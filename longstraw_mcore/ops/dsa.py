@@ -89,11 +89,9 @@ def indexer_topk(q: torch.Tensor, key: torch.Tensor, weights: torch.Tensor, q_po
     return best_rows, best_vals
 
 
-def mla_sparse(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-               w_uk: torch.Tensor, w_uv: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
-               scale: float) -> torch.Tensor:
-    """q_nope [B, S, H, Dn], q_pe [B, S, H, Dr] (rotated), c_kv [B, T, R], k_pe [B, T, Dr] (rotated),
-    w_uk [H, Dn, R], w_uv [H, Dv, R], idx / valid [B, S, k] -> [B, S, H, Dv]. Softmax in >= float32."""
+def _selected_logits(q_nope, q_pe, c_kv, k_pe, w_uk, idx, valid, scale):
+    """(logits [B, S, H, k] of every query to its selected keys, in >= float32, -inf where not valid;
+    the selected latents [B, S, k, R])."""
     work = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
     B, S, k = idx.shape
     q_abs = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)                      # query in latent space
@@ -102,7 +100,15 @@ def mla_sparse(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_p
     pe_sel = torch.gather(k_pe, 1, flat[..., None].expand(-1, -1, k_pe.shape[-1])).view(B, S, k, -1)
     logits = (torch.einsum("bshr,bskr->bshk", q_abs, c_sel)
               + torch.einsum("bshd,bskd->bshk", q_pe, pe_sel)).to(work) * scale
-    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+    return logits.masked_fill(~valid[:, :, None, :], float("-inf")), c_sel
+
+
+def mla_sparse(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+               w_uk: torch.Tensor, w_uv: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """q_nope [B, S, H, Dn], q_pe [B, S, H, Dr] (rotated), c_kv [B, T, R], k_pe [B, T, Dr] (rotated),
+    w_uk [H, Dn, R], w_uv [H, Dv, R], idx / valid [B, S, k] -> [B, S, H, Dv]. Softmax in >= float32."""
+    logits, c_sel = _selected_logits(q_nope, q_pe, c_kv, k_pe, w_uk, idx, valid, scale)
     p = torch.softmax(logits, dim=-1).to(c_kv.dtype)
     o_lat = torch.einsum("bshk,bskr->bshr", p, c_sel)                          # attention output, latent
     return torch.einsum("bshr,hvr->bshv", o_lat, w_uv)
@@ -114,15 +120,7 @@ def mla_sparse_partial(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Ten
     """`mla_sparse` over a part of the keys, before the value up-projection: (o_lat [B, S, H, R], the
     softmax-weighted latents over this part's valid keys; lse [B, S, H], their log-sum-exp, -inf where a
     query has none here). Parts merge by log-sum-exp (parallel/cp_dsa.py); then o = o_lat W_UV."""
-    work = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
-    B, S, k = idx.shape
-    q_abs = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)
-    flat = idx.reshape(B, S * k)
-    c_sel = torch.gather(c_kv, 1, flat[..., None].expand(-1, -1, c_kv.shape[-1])).view(B, S, k, -1)
-    pe_sel = torch.gather(k_pe, 1, flat[..., None].expand(-1, -1, k_pe.shape[-1])).view(B, S, k, -1)
-    logits = (torch.einsum("bshr,bskr->bshk", q_abs, c_sel)
-              + torch.einsum("bshd,bskd->bshk", q_pe, pe_sel)).to(work) * scale
-    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+    logits, c_sel = _selected_logits(q_nope, q_pe, c_kv, k_pe, w_uk, idx, valid, scale)
     lse = torch.logsumexp(logits, dim=-1)
     none = torch.isinf(lse)
     p = torch.exp(logits - torch.where(none, torch.zeros_like(lse), lse)[..., None]).to(c_kv.dtype)
