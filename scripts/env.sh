@@ -68,4 +68,15 @@ PY
   fi
   touch "$(stamp test)"
 fi
+if [ "$extra" = "--test" ] && ! command -v mpirun >/dev/null 2>&1; then
+  # The mpi4py bootstrap test runs `mpirun -np 2`: Open MPI from Debian's packages, where we may install.
+  if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || sudo -n true 2>/dev/null; }; then
+    sudo_=""; [ "$(id -u)" = 0 ] || sudo_="sudo -n"
+    echo "[env] installing openmpi-bin (apt-get) for the mpirun bootstrap test" >&2
+    { $sudo_ apt-get install -y -q openmpi-bin || { $sudo_ apt-get update -q && $sudo_ apt-get install -y -q openmpi-bin; }; } >&2 \
+      || echo "[env] warning: could not install openmpi-bin; the mpirun test will be skipped" >&2
+  else
+    echo "[env] warning: no mpirun and no apt-get/root to install openmpi-bin; the mpirun test will be skipped" >&2
+  fi
+fi
 echo "$venv"

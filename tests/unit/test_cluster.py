@@ -70,3 +70,20 @@ def test_sbatch_script_runs_two_nodes_with_a_stand_in_srun(tmp_path):
     assert "2 rank(s)" in out and "layout tp=1 pp=1 cp=1 dp=2 on 2 cpu rank(s)" in out
     logs = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "run" / "logs").rglob("stdout.log"))
     assert len(logs) == 2, logs  # one per rank, under its node's directory
+
+
+def test_mpi_bootstrap_environment():
+    """launch_mpi.torch_env: torchrun's variables from MPI's rank, size, per-host split and host names."""
+    import pytest
+
+    from longstraw_mcore.launch_mpi import torch_env
+
+    one_host = torch_env(1, 2, 1, 2, ["n1", "n1"], 41000, {})
+    assert one_host == {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "41000"}
+    two_hosts = torch_env(5, 8, 1, 4, ["gpu07"] * 4 + ["gpu08"] * 4, 41000, {})
+    assert (two_hosts["MASTER_ADDR"], two_hosts["RANK"], two_hosts["LOCAL_RANK"]) == ("gpu07", "5", "1")
+    site = torch_env(0, 8, 0, 4, ["a"] * 4 + ["b"] * 4, 41000, {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
+    assert (site["MASTER_ADDR"], site["MASTER_PORT"]) == ("10.0.0.1", "29500")
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        torch_env(2, 2, 0, 1, ["a", "a"], 1, {})
