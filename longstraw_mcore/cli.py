@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--efficiency", type=float, default=0.05,
                     help="fraction of the bf16 peak for the time estimate (plain kernels measured 3-7%% on H200)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument("--png", default=None, help="also draw the per-rank memory against the device's (PNG file)")
     pl.add_argument("overrides", nargs="*", help="key=value config overrides")
     pl.set_defaults(command="plan")
     c = sub.add_parser("check", help="check a config for a subcommand without starting anything")

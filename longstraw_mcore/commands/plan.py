@@ -3,7 +3,8 @@ G, mode and device; whether it fits and the largest P that does (planner/memory.
 No process group, no Megatron, no allocation: it runs anywhere in a second.
 
   longstraw plan --config CFG --prompt-len P --group-size G --response-len R --gpus N
-      [--device H20-96GB | H100-80GB | H200-141GB] [--device-gib X] [--efficiency F] [--json] [key=value ...]
+      [--device H20-96GB | H100-80GB | H200-141GB] [--device-gib X] [--efficiency F] [--json] [--png FILE]
+      [key=value ...]
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from longstraw_mcore.config import ConfigError
 
 def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float | None, efficiency: float) -> dict:
     """The plan as the `--json` schema (ARCHITECTURE.md section 5) plus the inputs and time per phase."""
-    from longstraw_mcore.planner.memory import device_profile, max_prompt_len, plan_memory
+    from longstraw_mcore.planner.memory import device_profile, max_prompt_len, phase_bytes, plan_memory
 
     if not isinstance(gpus, int) or gpus < 1:
         raise ConfigError(f"--gpus {gpus!r}: must be a positive integer")
@@ -29,6 +30,7 @@ def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float 
            "fits": total <= dev.memory_bytes,
            "max_prompt_len": max_prompt_len(cfg, R, G, gpus, dev.memory_bytes, cuda=True),
            "flops": None, "seconds": None,
+           "activations_by_phase_last_stage": phase_bytes(cfg, P, R, G, _last_stage(cfg), True),
            "inputs": {"family": cfg.model.family, "prompt_len": P, "response_len": R, "group_size": G, "gpus": gpus,
                       "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "cp": cfg.parallel.cp,
                                  "ep": cfg.parallel.ep, "dp": cfg.parallel.dp_for(gpus)},
@@ -44,6 +46,11 @@ def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float 
         out["flops"] = {ph: phases[ph] / split[ph] for ph in split}
         out["seconds"] = {ph: f / (dev.bf16_flops * efficiency) for ph, f in out["flops"].items()}
     return out
+
+
+def _last_stage(cfg) -> range:
+    stages = cfg.parallel.stage_layers(cfg.model.num_layers)
+    return range(sum(stages[:-1]), cfg.model.num_layers)
 
 
 def table(res: dict) -> str:
@@ -65,11 +72,23 @@ def table(res: dict) -> str:
 
 
 def run(args) -> int:
+    import os
+
+    if args.png is not None:
+        folder = os.path.dirname(os.path.abspath(args.png))
+        if not args.png.endswith(".png") or not os.path.isdir(folder):
+            raise ConfigError(f"--png {args.png!r}: must name a .png file in an existing folder")
     cfg = load_run_config(args)
     res = plan(cfg, args.prompt_len, args.response_len, args.group_size, args.gpus, args.device, args.device_gib,
                args.efficiency)
+    if args.png:
+        from longstraw_mcore.planner.chart import plan_chart
+
+        plan_chart(res, args.png)
     if args.json:
         print(json.dumps(res, indent=1))
     else:
         print(table(res))
+        if args.png:
+            print(f"chart: {args.png}")
     return 0

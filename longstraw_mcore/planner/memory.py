@@ -16,12 +16,14 @@ cp / ep / dp the layout, e the model dtype's bytes. Per rank (the largest pipeli
     prompt_state     the state kinds' own formulas (prompt_state/*.py analytic_bytes) for the stage's
                      layers, at this rank's share of the positions (1/cp; GLM's latent also 1/tp)
     prompt_state_grad exact mode: the state gradient accumulators (analytic_grad_bytes)
-    branch_activations one branch's tensors kept for its backward, R tokens through the stage's layers
-                     (an estimate: the inputs every linear, norm and attention kernel keeps)
-    logprob_chunk    float32 logits, softmax and their gradient for replay.logprob_chunk tokens x V/tp
+    activations      the worst phase of the step (phase_bytes): a branch's saved tensors through the
+                     stage's layers (planner/activations.py, derived from the code op by op) plus the
+                     log-prob chunk's logits and the output layer's weight gradient; or, in exact
+                     mode, one capture chunk's saved tensors in the prompt backward
     comm_buffers     CUDA: NCCL's communicator buffers (an estimate, 256 MiB per rank); gloo: none
                      (Megatron DDP's buckets are views into the gradient buffer, counted above)
-    allocator_slack  5% of everything else (caching-allocator fragmentation)
+    allocator_slack  CUDA: 5% of everything else (the caching allocator's fragmentation); CPU: none
+                     (tensors are freed to the system allocator)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import math
 from dataclasses import dataclass
 
 from longstraw_mcore.config import ConfigError
+from longstraw_mcore.planner.activations import _elem
 
 SLACK = 0.05
 NCCL_BYTES = 256 * 2**20
@@ -59,10 +62,6 @@ def device_profile(name: str, memory_gib: float | None = None) -> DeviceProfile:
             raise ConfigError(f"--device-gib {memory_gib}: must be > 0")
         d = DeviceProfile(d.name, int(memory_gib * 2**30), d.bf16_flops)
     return d
-
-
-def _elem(dtype: str) -> int:
-    return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}[dtype]
 
 
 def _layer_of(name: str) -> int | None:
@@ -100,37 +99,67 @@ def rank_params(m, tp: int, ep: int, stage_layers: list[int], stage: int) -> int
     return n
 
 
-def activation_bytes(m, tp: int, R: int, layers: range) -> int:
-    """One branch of R tokens with autograd through these (global) layers: values kept for the backward,
-    per token (the inputs of every linear and norm, the attention's q/k/v/out, the MLP's fc1 output and
-    activation), in the model dtype."""
-    H = m.hidden_size
-    mlp_types = getattr(m, "mlp_types", None)
-    per = 0
-    for i in layers:
-        t = m.layer_types[i]
-        v = 4 * H  # two norms' inputs and outputs
-        if t == "full_attention":
-            v += (3 * m.num_attention_heads + 2 * max(m.num_key_value_heads, tp)) * m.head_dim // tp
-        elif t == "linear_attention":
-            kd, vd = m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads * m.linear_value_head_dim
-            v += (3 * (2 * kd + vd) + 3 * vd) // tp
-        else:  # MLA + DSA: q LoRA, the latent, per head q (no-RoPE, RoPE), latent-space and value outputs
-            v += m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim
-            v += m.num_attention_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim
-                                          + m.kv_lora_rank) // tp
-        if mlp_types is not None and mlp_types[i] == "moe":  # routed top-k + shared experts, per token
-            F = m.moe_intermediate_size * (m.num_experts_per_tok + m.n_shared_experts)
-        else:
-            F = m.intermediate_size // tp
-        per += v + 3 * F
-    return per * R * _elem(m.dtype)
+def phase_bytes(cfg, P: int, R: int, G: int, stage: range, last_stage: bool) -> dict:
+    """{phase: bytes} that one rank of the stage holding global layers `stage` allocates on top of the
+    parameters, gradients, optimizer and prompt state during each phase (its worst moment):
+
+      capture          one layer's intermediates for a chunk (no autograd: they are freed layer by layer);
+                       with DSA the indexer's block of scores on top (also in the other phases)
+      replay           every layer's saved tensors for R tokens (G x R with replay.batch_branches),
+                       plus the larger of one layer's backward (gradients the size of its saved
+                       tensors) and, on the last stage, the log-prob chunk's worst moment: while it is
+                       recomputed the logits (model dtype), their float32 copy, the shifted values and
+                       their exp; in the output layer's backward the logits' gradient and the weight
+                       gradient before it is added to .grad / main_grad; exact mode adds one layer's
+                       state gradient before it is accumulated
+      prompt_backward  exact mode: every layer's saved tensors for one capture chunk (the last layer
+                       only as far as its state) and one layer's state gradient (measured on H200 and
+                       CPU: the chunk's backward needs no more than its forward kept)
+    Token counts are this rank's: a chunk's 1/cp under context parallelism, branches whole."""
+    from longstraw_mcore.planner.activations import index_bytes, layer_bytes, norm_bytes
+    from longstraw_mcore.prompt_state.containers import analytic_state_grad_bytes
+
+    m, p, rc = cfg.model, cfg.parallel, cfg.replay
+    e, w = _elem(m.dtype), max(4, _elem(m.dtype))
+    chunk = -(-min(rc.chunk_len, max(P - 1, 1)) // p.cp)
+    captured = -(-(P - 1) // p.cp)
+    rows = -(-captured // p.tp) if m.family == "glm_dsa" else captured  # MLA latents: striped over TP too
+    exact = rc.mode == "exact"
+    types = sorted({m.layer_types[i] for i in stage})
+    one_grad = max(analytic_state_grad_bytes(m, p.tp, captured, [t]) for t in types) if exact else 0
+    last = stage[-1] if last_stage else None
+
+    def indexer(T, keys):  # MLA + DSA: the indexer's scores while a full layer runs (no autograd)
+        return index_bytes(m, T, keys) if m.family == "glm_dsa" else 0
+
+    def saved(T, keys, recompute=False):
+        return sum(layer_bytes(m, p.tp, T, i, keys, produce_only=recompute and i == last) for i in stage)
+
+    def widest(T, keys):  # a layer's backward: its saved tensors are alive and gradients of their size made
+        return max(layer_bytes(m, p.tp, T, i, keys) for i in stage)
+
+    out = {"capture": widest(chunk, rows) + indexer(chunk, rows)}
+    T = R * (G if rc.batch_branches else 1)
+    top = widest(T, rows + T)
+    if last_stage:
+        c = min(rc.logprob_chunk, R) * (G if rc.batch_branches else 1)
+        vocab = m.padded_vocab_size(p.tp) // p.tp
+        # recompute: logits, their work-dtype copy (none when the model is already in it), the shifted
+        # values and their exp; backward: the logits' gradient and the output layer's weight gradient
+        copies = e + (0 if e == w else w) + 2 * w
+        top = max(top, c * vocab * copies, c * vocab * e + vocab * m.hidden_size * e)
+        top += T * norm_bytes(m.hidden_size, e, m.family)
+    out["replay"] = saved(T, rows + T) + top + one_grad
+    out["prompt_backward"] = saved(chunk, rows, recompute=True) + one_grad if exact else 0
+    return out
 
 
-def plan_memory(cfg, P: int, R: int, G: int, world_size: int, cuda: bool | None = None) -> dict:
+def plan_memory(cfg, P: int, R: int, G: int, world_size: int, cuda: bool | None = None,
+                grads: str = "train") -> dict:
     """{component: bytes} for the largest rank of the run `cfg` (a RunConfig) on `world_size` ranks at
     prompt P, response R, group size G (`cuda`: on GPUs; default: the config's device); bad input
-    raises ConfigError before anything is computed."""
+    raises ConfigError before anything is computed. `grads="plain"`: gradients as plain `.grad`
+    tensors in the model dtype (a model without DDP, as tools/bench_replay.py runs it)."""
     from longstraw_mcore.prompt_state.containers import analytic_state_bytes, analytic_state_grad_bytes
 
     for name, v in (("prompt length", P), ("response length", R), ("group size", G)):
@@ -152,7 +181,9 @@ def plan_memory(cfg, P: int, R: int, G: int, world_size: int, cuda: bool | None 
         types = [m.layer_types[i] for i in layers]
         n = rank_params(m, p.tp, p.ep, stages, s)
         out = {"weights": n * e}
-        if t.grad_reduction == "micro_step":
+        if grads == "plain":
+            out["gradients"] = n * e
+        elif t.grad_reduction == "micro_step":
             out["gradients"] = -(-n * 4 // shards) + n * e
         else:
             out["gradients"] = n * (4 if m.dtype == "bfloat16" else e)
@@ -162,14 +193,23 @@ def plan_memory(cfg, P: int, R: int, G: int, world_size: int, cuda: bool | None 
         out["prompt_state"] = sum(analytic_state_bytes(m, p.tp, captured, chunks if exact else 0, 1, types,
                                                        p.cp).values())
         out["prompt_state_grad"] = analytic_state_grad_bytes(m, p.tp, captured, types) if exact else 0
-        out["branch_activations"] = activation_bytes(m, p.tp, R, layers) * (G if cfg.replay.batch_branches else 1)
-        vocab = m.padded_vocab_size(p.tp) // p.tp
-        out["logprob_chunk"] = 3 * min(cfg.replay.logprob_chunk, R) * vocab * 4 if s == p.pp - 1 else 0
+        out["activations"] = max(phase_bytes(cfg, P, R, G, layers, s == p.pp - 1).values())
         out["comm_buffers"] = NCCL_BYTES if on_cuda else 0
-        out["allocator_slack"] = int(SLACK * sum(out.values()))
+        out["allocator_slack"] = int(SLACK * sum(out.values())) if on_cuda else 0
         if best is None or sum(out.values()) > sum(best.values()):
             best = out
     return best
+
+
+STEP_COMPONENTS = ("gradients", "prompt_state", "prompt_state_grad", "activations")
+
+
+def step_peak_bytes(cfg, P: int, R: int, G: int, world_size: int, cuda: bool) -> int:
+    """What a measured step peak above the parameters counts (tools/bench_replay.py, the H200 data,
+    tools/plan_vs_measured.py): plain `.grad` tensors allocated in the step, the prompt state and its
+    gradient, the worst phase's activations, and (CUDA) the allocator slack on those."""
+    per = plan_memory(cfg, P, R, G, world_size, cuda=False, grads="plain")
+    return int(sum(per[k] for k in STEP_COMPONENTS) * (1 + (SLACK if cuda else 0)))
 
 
 def max_prompt_len(cfg, R: int, G: int, world_size: int, device_bytes: int, cuda: bool | None = None,

@@ -39,7 +39,7 @@ def test_validate_full_path_on_4_cpu_ranks(tmp_path):
             assert e["ranks_touched"] == ranks, (name, e)
         mem = rec["memory"]
         assert len(mem["measured_peak_above_baseline_per_rank"]) == 4 and mem["planned_total_per_rank"] > 0
-        assert {"weights", "gradients", "prompt_state", "prompt_state_grad", "branch_activations"} <= \
+        assert {"weights", "gradients", "prompt_state", "prompt_state_grad", "activations"} <= \
             set(mem["planned_per_rank_bytes"])
         assert rec["software"]["megatron-core"] and rec["software"]["torch"]
         assert {"capture", "replay"} <= set(rec["seconds"])

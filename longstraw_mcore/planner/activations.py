@@ -1,0 +1,130 @@
+"""Bytes autograd keeps for the backward of T tokens through one layer, as this code computes it (the
+plain-torch twins: ops/gated_delta.py, ops/attention.py, the Megatron projections), per TP rank.
+
+Derived tensor by tensor from what the forward saves (checked against `saved_tensors_hooks` counts
+in tests/unit/test_planner_activations.py), so the terms follow the code: when an op changes, its
+formula here changes with it. Legend: e the model dtype's bytes, s the state dtype's (float32 for
+bf16/fp32 models, float64 for float64), Hd hidden, local heads (/tp) throughout.
+
+    norm (RMSNorm)   input, float32 copy below float32, normalised output, 1/rms
+    MLP (SwiGLU)     fc1 input, fc1 output (2F), the gated product's two inputs and its output
+    Gated DeltaNet   x; the conv window [Ch, T+W-1] and its output; q, k (repeated to the value
+                     heads) in s with their norms; the chunked rule's per-chunk matrices: 5 of
+                     [C, C], 10 of [C, Dk], 2 of [C, Dv], per value head and chunk, and per chunk the
+                     state entering it and u; the gated norm's three s and three e [Dv] tensors
+    gated attention  x; k and q norms (two s copies each); RoPE angles; q, own k/v and the output
+                     kept by the merge Function (the prompt K/V it reads are the state, counted
+                     there); the gate's input and output and the output projection's input
+    MLA + DSA        x; the latent and q-LoRA norms; RoPE angles; q; the selected rows' indices;
+                     the visible latents and RoPE keys gathered into one tensor (prompt + own: a
+                     full-size copy per layer, see prompt_state/mla.py); per query the k selected
+                     latents and RoPE keys; q in latent space, the rotated q, the validity mask, the
+                     softmax in s and its cast, the latent-space output, the output projection's input
+                     (the indexer runs without autograd)
+    MoE (GLM)        the shared experts as a SwiGLU each; the router's logits, scores and top-k; the
+                     permuted tokens (top-k copies) and each expert's SwiGLU on its tokens
+"""
+
+from __future__ import annotations
+
+
+def _elem(dtype: str) -> int:
+    return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+
+
+def norm_bytes(hidden: int, e: int, family: str = "qwen3_5") -> int:
+    """Per token. Qwen's zero-centred RMSNorm keeps its input, a float32 copy below float32 and the
+    output; GLM's keeps the float32 copy (the input itself at float32 and above) and the output."""
+    w = max(4, e)
+    if family == "qwen3_5":
+        return hidden * (2 * e + (4 if e < 4 else 0)) + 4
+    return hidden * (w + e) + w
+
+
+def mlp_bytes(hidden: int, ffn_local: int, e: int) -> int:
+    """Per token, SwiGLU with fc1 = [gate | up] (column parallel) and fc2 row parallel."""
+    return hidden * e + 5 * ffn_local * e
+
+
+def gdn_bytes(m, tp: int, T: int) -> int:
+    """T tokens (padded to the GDN chunk inside the rule) through one Gated DeltaNet mixer."""
+    e, s = _elem(m.dtype), max(4, _elem(m.dtype))
+    hk, hv = m.linear_num_key_heads // tp, m.linear_num_value_heads // tp
+    dk, dv, C, W = m.linear_key_head_dim, m.linear_value_head_dim, m.gdn_chunk_size, m.linear_conv_kernel_dim
+    Hd = m.hidden_size
+    ch = 2 * hk * dk + hv * dv
+    n = -(-T // C)
+    Tp = n * C
+    b = T * Hd * e + ch * (T + W - 1) * e + ch * W * e + T * ch * e      # x, conv window, conv weight, conv out
+    b += 3 * T * hv * s + 2 * T * hv * (dk + 1) * s                      # gates; q, k in s with 1/norm
+    b += hv * Tp * (5 * C + 10 * dk + 2 * dv + 3) * s + hv * n * s       # the chunked rule's matrices
+    b += n * hv * dv * (dk + C) * s                                      # per chunk: state in, u
+    b += T * hv * (3 * dv + 1) * s + 3 * T * hv * dv * e                 # gated norm, output projection input
+    return b
+
+
+def attention_bytes(m, tp: int, T: int) -> int:
+    """T tokens through one gated-attention mixer (replay: the prompt's K/V are the state)."""
+    e, s = _elem(m.dtype), max(4, _elem(m.dtype))
+    hq, hkv = m.num_attention_heads // tp, max(1, m.num_key_value_heads // tp)
+    d, Hd = m.head_dim, m.hidden_size
+    b = T * Hd * e                                                       # x (q/k/v projections' input)
+    b += 2 * T * hkv * d * s + T * hkv * s + 2 * T * hq * d * s + T * hq * s   # k and q norms
+    b += 2 * T * m.rotary_dim * e                                        # RoPE cos, sin
+    b += 2 * T * hq * d * e + 2 * T * hkv * d * e + T * hq * s           # merge Function: q, out, own k/v, lse
+    b += 3 * T * hq * d * e                                              # gate in/out, projection input
+    return b
+
+
+def mla_bytes(m, tp: int, T: int, keys: int) -> int:
+    """T tokens through one MLA + DSA mixer that sees `keys` latents (this rank's prompt rows + its own)."""
+    e, w = _elem(m.dtype), max(4, _elem(m.dtype))
+    h, R, Dr, Dn, Dv, ql = (m.num_attention_heads // tp, m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim,
+                            m.v_head_dim, m.q_lora_rank)
+    k = min(m.index_topk, keys)
+    b = T * m.hidden_size * e + T * (R * (w + e) + w) + T * (ql * (w + e) + w) + T * ql * e   # x, norms, q_b input
+    b += 2 * T * Dr * e + T * h * (Dn + Dr) * e + T * k * 8                                  # RoPE, q, indices
+    b += keys * (R + Dr) * e + T * k * (R + Dr) * e                                          # visible, selected
+    b += 2 * T * h * R * e + T * h * Dr * e + T * k + T * h * k * (w + e) + T * h * Dv * e   # attention
+    return b
+
+
+def index_bytes(m, T: int, keys: int) -> int:
+    """The DSA indexer's transient for T queries over `keys` (no autograd; one key block at a time with
+    the running best k): the per-head scores and their ReLU over a block plus the best k, and their
+    weighted sum."""
+    w = max(4, _elem(m.dtype))
+    kb = min(m.index_block, keys) + min(m.index_topk, keys)
+    return T * kb * (2 * m.index_n_heads + 1) * w
+
+
+def moe_bytes(m, T: int) -> int:
+    """T tokens (this rank's) through one MoE block: shared experts, router, top-k routed experts."""
+    e, Hd, F, k = _elem(m.dtype), m.hidden_size, m.moe_intermediate_size, m.num_experts_per_tok
+    b = T * Hd * e + m.n_shared_experts * T * 5 * F * e                                     # input, shared
+    b += T * m.n_routed_experts * 4 + T * k * 36 + T * 4                                    # router
+    b += T * k * (Hd * e + 5 * F * e + 4)                                                   # routed experts
+    return b
+
+
+def layer_bytes(m, tp: int, T: int, layer: int, keys: int = 0, produce_only: bool = False) -> int:
+    """T tokens through layer `layer` (global index): mixer, MLP, both norms. `keys`: the latents an MLA
+    layer sees (this rank's prompt rows + T). `produce_only`: the layer runs only as far as its state
+    (exact mode's recompute of the model's last layer): its input norm and mixer, an upper bound."""
+    e = _elem(m.dtype)
+    t = m.layer_types[layer]
+    if t == "linear_attention":
+        mix = gdn_bytes(m, tp, T)
+    elif t == "full_attention":
+        mix = attention_bytes(m, tp, T)
+    else:
+        mix = mla_bytes(m, tp, T, max(keys, T))
+    norm = T * norm_bytes(m.hidden_size, e, m.family)
+    if produce_only:
+        return mix + norm
+    mlp_types = getattr(m, "mlp_types", None)
+    if mlp_types is not None and mlp_types[layer] == "moe":
+        mlp = moe_bytes(m, -(-T // tp))  # the MoE layer splits its tokens by sequence over TP
+    else:
+        mlp = T * mlp_bytes(m.hidden_size, m.intermediate_size // tp, e)
+    return mix + mlp + 2 * norm

@@ -1,0 +1,30 @@
+"""The memory planner against measurement (tools/plan_vs_measured.py): the step's peak above the
+parameters, planned (planner/memory.step_peak_bytes) and measured, each within 10%.
+  - the 10 H200 rows of bench_results/h200_qwen27b_4layer_bench.json (Qwen3.6-27B at its real width,
+    4 layers, bf16, P 8K-128K, G 2 and 8, detached and exact; measured by the CUDA allocator);
+  - 8 CPU points measured here on 2 gloo ranks (PyTorch's profiler counts every tensor allocation):
+    the tiny Qwen config in float32, bfloat16 and float64, a 16K vocabulary (the log-prob chunk
+    dominates), TP=2, CP=2, both modes; and the tiny GLM-5.2 (MLA + DSA + MoE) in exact mode, which
+    the planner underestimates by about 12% (its MLA and MoE backward transients are not modelled yet):
+    held to 15% so that it cannot drift unseen, and reported as outside the 10% in the README."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+
+def test_planner_within_10_percent_of_measured_peaks():
+    from plan_vs_measured import cpu_rows, h200_rows, table
+
+    rows = h200_rows() + cpu_rows()
+    print("\n" + table(rows))
+    assert len(rows) >= 18
+    for r in rows:
+        ratio = r["planned_bytes"] / r["measured_bytes"]
+        tol = 0.15 if r["name"].startswith("glm") else 0.10
+        assert abs(ratio - 1) <= tol, (r["name"], r["where"], r["P"], r["planned_bytes"], r["measured_bytes"])
+    assert sum(abs(r["planned_bytes"] / r["measured_bytes"] - 1) <= 0.10 for r in rows) >= 17

@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""The memory planner against measurement: the step's peak above the parameters, planned
+(planner/memory.step_peak_bytes) and measured, per point; prints a table and writes JSON.
+
+  python tools/plan_vs_measured.py [--points cpu,h200] [--out plan_vs_measured.json]
+
+What both count: the bytes a replay step allocates on top of the parameters at its worst moment, with
+the model's gradients as plain `.grad` tensors (no DDP; as tools/bench_replay.py runs it): gradients,
+prompt state, exact mode's state gradient, the worst phase's activations.
+  cpu   measured here: 2 gloo ranks, the tiny configs at several layouts, P, R, G, dtypes and both modes;
+        PyTorch's profiler counts every CPU tensor allocation (bench/memory.measure_memory), the CPU twin
+        of the CUDA allocator's peak. Under CP the figure is an upper bound (a buffer freed on a gloo
+        thread is not seen). The largest rank of each layout.
+  h200  the measured rows of bench_results/h200_qwen27b_4layer_bench.json (tools/bench_replay.py on one
+        H200: Qwen3.6-27B at its real width, 4 layers, bf16, P 8K-128K, R 1K, G 2/8, both modes;
+        torch.cuda.max_memory_allocated above the weights, which are not counted; their .grad are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+# measured on one H200 at project commit e25be36 (tools/bench_replay.py, every kernel the plain-torch twin)
+H200 = os.path.join(ROOT, "bench_results", "h200_qwen27b_4layer_bench.json")
+
+# (name, config, overrides, P, R, G, layout overrides). Layout "tp1" points run on both ranks (data
+# parallel, no gradient reduction: the same numbers).
+CPU_POINTS = [
+    ("qwen tiny f32 detached", "configs/qwen3.6-tiny.yaml", ["replay.mode=detached"], 300, 96, 4, []),
+    ("qwen tiny f32 exact, chunk 96", "configs/qwen3.6-tiny.yaml", ["replay.mode=exact", "replay.chunk_len=96"],
+     300, 96, 4, []),
+    ("qwen tiny bf16 exact, chunk 64", "configs/qwen3.6-tiny.yaml",
+     ["model.dtype=bfloat16", "replay.mode=exact", "replay.chunk_len=64"], 400, 64, 2, []),
+    ("qwen tiny f32 V=16384 detached", "configs/qwen3.6-tiny.yaml",
+     ["model.vocab_size=16384", "replay.mode=detached"], 200, 128, 2, []),
+    ("qwen tiny f64 exact, chunk 32", "configs/qwen3.6-tiny.yaml",
+     ["model.dtype=float64", "replay.mode=exact", "replay.chunk_len=32"], 200, 48, 3, []),
+    ("qwen tiny f32 exact TP=2", "configs/qwen3.6-tiny.yaml", ["replay.mode=exact"], 300, 96, 2, ["parallel.tp=2"]),
+    ("qwen tiny f32 exact CP=2", "configs/qwen3.6-tiny.yaml", ["replay.mode=exact"], 300, 96, 2, ["parallel.cp=2"]),
+    ("glm tiny f32 exact (4 layers)", "configs/glm-5.2-tiny.yaml",
+     ["model.num_layers=4", "replay.mode=exact"], 200, 64, 2, []),
+]
+
+
+def _cpu_worker(rank, world_size, points):
+    import torch
+
+    from longstraw_mcore.bench.memory import measure_memory
+    from longstraw_mcore.config import load_config
+    from longstraw_mcore.data.rollouts import RolloutGroup
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.parallel.groups import setup_parallel
+    from longstraw_mcore.planner.memory import step_peak_bytes
+    from longstraw_mcore.replay.group_step import process_group
+
+    out = []
+    for name, config, overrides, P, R, G, layout in points:
+        cfg = load_config(os.path.join(ROOT, config), [*overrides, *layout, "device=cpu"])
+        par = setup_parallel(cfg)
+        m = cfg.model
+        model = get_family(m.family).build_model(m, par, "cpu")
+        g = torch.Generator().manual_seed(7)
+        prompt = torch.randint(0, m.vocab_size, (P,), generator=g).tolist()
+        responses = [torch.randint(0, m.vocab_size, (R - (b % 3),), generator=g).tolist() for b in range(G)]
+        group = RolloutGroup(prompt=prompt, responses=responses, rewards=[float(b % 3) for b in range(G)])
+        model.zero_grad(set_to_none=True)
+        _, peak, _, how = measure_memory(lambda: process_group(model, group, cfg.replay, cfg.grpo, par.tp),
+                                         torch.device("cpu"))
+        out.append({"name": name, "where": "cpu (2 gloo ranks)", "config": config, "overrides": overrides + layout,
+                    "P": P, "R": R, "G": G, "mode": cfg.replay.mode, "measured_bytes": peak, "how": how,
+                    "planned_bytes": step_peak_bytes(cfg, P, R, G, world_size, cuda=False)})
+    return out
+
+
+def cpu_rows(points=CPU_POINTS) -> list[dict]:
+    from longstraw_mcore.launch_local import run_ranks
+
+    per_rank = run_ranks(_cpu_worker, 2, points, timeout_s=1200)
+    rows = []
+    for i, row in enumerate(per_rank[0]):
+        row = dict(row, measured_bytes=max(r[i]["measured_bytes"] for r in per_rank))
+        rows.append(row)
+    return rows
+
+
+def h200_rows(path: str = H200) -> list[dict]:
+    from longstraw_mcore.config import load_config
+    from longstraw_mcore.planner.memory import step_peak_bytes
+
+    data = json.load(open(path))
+    rows = []
+    for r in data["rows"]:
+        cfg = load_config(os.path.join(ROOT, "configs", "qwen3.6-27b.yaml"),
+                          ["model.num_layers=4", "parallel.tp=1", "parallel.pp=1", f"replay.mode={r['mode']}",
+                           f"replay.chunk_len={r['chunk_len']}", f"replay.attn_probs_budget_mib={r['attn_probs_budget_mib']}"])
+        rows.append({"name": f"qwen3.6-27b 4 layers {r['mode']}", "where": "H200 (measured, bench27b.json)",
+                     "config": "configs/qwen3.6-27b.yaml", "P": r["P"], "R": r["R"], "G": r["G"], "mode": r["mode"],
+                     "measured_bytes": r["peak_bytes"], "how": "torch.cuda.max_memory_allocated above the weights",
+                     "planned_bytes": step_peak_bytes(cfg, r["P"], r["R"], r["G"], 1, cuda=True)})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| point | where | P | R | G | planned MiB | measured MiB | planned / measured |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['where']} | {r['P']:,} | {r['R']} | {r['G']} | {r['planned_bytes'] / 2**20:,.1f} | "
+                     f"{r['measured_bytes'] / 2**20:,.1f} | {r['planned_bytes'] / r['measured_bytes']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--points", default="cpu,h200", help="comma-separated: cpu, h200")
+    p.add_argument("--out", default="plan_vs_measured.json")
+    a = p.parse_args(argv)
+    wanted = set(a.points.split(","))
+    if not wanted <= {"cpu", "h200"}:
+        p.error(f"--points {a.points!r}: choose from cpu, h200")
+    rows = (h200_rows() if "h200" in wanted else []) + (cpu_rows() if "cpu" in wanted else [])
+    for r in rows:
+        r["ratio"] = r["planned_bytes"] / r["measured_bytes"]
+    print(table(rows))
+    worst = max(abs(r["ratio"] - 1) for r in rows)
+    print(f"{len(rows)} points; worst |planned / measured - 1| = {worst:.1%}")
+    tmp = a.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"rows": rows}, f, indent=1)
+    os.replace(tmp, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
