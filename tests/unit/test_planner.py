@@ -158,5 +158,26 @@ def test_glm_5_2_config_file_holds_the_real_dimensions():
     tiny = _cfg("configs/glm-5.2-tiny.yaml").model
     assert tiny.num_layers == 78 and tiny.indexer_types == glm_5_2().indexer_types
     assert tiny.mlp_types == glm_5_2().mlp_types
-    q, q8 = _cfg("configs/qwen3.6-27b.yaml").model, _cfg("configs/qwen3.6-27b-8xh20.yaml").model
-    assert dataclasses.asdict(q) == dataclasses.asdict(q8)
+    q = _cfg("configs/qwen3.6-27b.yaml").model
+    for path in ("configs/qwen3.6-27b-8xh20.yaml", "configs/qwen3.6-27b-16xh20-4m.yaml"):
+        assert dataclasses.asdict(q) == dataclasses.asdict(_cfg(path).model), path
+
+
+def test_4m_config_fits_16_h20_and_the_png_chart(tmp_path):
+    """configs/qwen3.6-27b-16xh20-4m.yaml: 4,194,304 positions, detached, TP4 x CP4 on 16 H20-96GB fits
+    (the state per rank equals the 2.1M point's on 8); `plan --png` draws it (a PNG file)."""
+    rc, out, _ = _plan_cli("--config", os.path.join(ROOT, "configs/qwen3.6-27b-16xh20-4m.yaml"), "--prompt-len",
+                           "4194304", "--response-len", "1024", "--group-size", "8", "--gpus", "16", "--json")
+    res = json.loads(out)
+    assert rc == 0 and res["fits"] and res["max_prompt_len"] >= 4_194_304
+    eight = json.loads(_plan_cli("--config", os.path.join(ROOT, "configs/qwen3.6-27b-8xh20.yaml"), "--prompt-len",
+                                 "2097152", "--response-len", "1024", "--group-size", "8", "--gpus", "8", "--json")[1])
+    assert res["per_rank_bytes"]["prompt_state"] == eight["per_rank_bytes"]["prompt_state"]
+    png = tmp_path / "plan.png"
+    rc, out, _ = _plan_cli("--config", os.path.join(ROOT, "configs/qwen3.6-27b-16xh20-4m.yaml"), "--prompt-len",
+                           "4194304", "--response-len", "1024", "--group-size", "8", "--gpus", "16", "--png", str(png))
+    assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert not list(tmp_path.glob("*.tmp*"))
+    rc, _, err = _plan_cli("--config", os.path.join(ROOT, "configs/qwen3.6-27b.yaml"), "--prompt-len", "4096",
+                           "--response-len", "256", "--group-size", "2", "--gpus", "4", "--png", str(tmp_path / "x" / "p.png"))
+    assert rc == 2 and "must name a .png file in an existing folder" in err
