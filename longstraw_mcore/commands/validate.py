@@ -140,7 +140,8 @@ def _memory_receipt(cfg, groups, world: int, measured: list[int]) -> dict:
             "measured_peak_above_baseline_per_rank": measured,
             "measured_over_planned_max": max(measured) / total if total else None,
             "what_is_measured": "CUDA: allocator peak minus what was allocated before the model; CPU: peak resident "
-                                "set minus the resident set before the model (Linux /proc)",
+                                "set minus the resident set before the model (Linux /proc), which also holds the "
+                                "runtime's own tens of MiB: on CPU compare tensor bytes with tools/plan_vs_measured.py",
             "planned_for": {"prompt_len": P, "response_len": R, "group_size": G}}
 
 
