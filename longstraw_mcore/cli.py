@@ -1,8 +1,9 @@
 """The `longstraw` command line (also `python -m longstraw_mcore`); launch under torchrun for >1 rank.
 
 Subcommands (each in commands/):
-  train     GRPO / DPO with branch replay: rollouts JSON Lines, N prompt groups per step, Megatron
-            DDP + optimizer, a metrics line per step, atomic checkpoints every K steps, --resume.
+  train     GRPO / DPO with branch replay: rollouts JSON Lines (or --online: sampled on-policy every
+            step), N prompt groups per step, Megatron DDP + optimizer, a metrics line per step,
+            atomic checkpoints every K steps, --resume.
   validate  one branch-replay step without an optimizer update: DIR/receipt.json (+ grads.safetensors
             in Hugging Face names with --dump-grads).
   smoke     forward + backward of a next-token loss on random tokens through Megatron's pipeline
@@ -11,6 +12,8 @@ Subcommands (each in commands/):
             optionally a rollouts file): what launch scripts run first.
   plan      per-rank memory by component and FLOPs / time by phase; does it fit, the largest prompt
             that does (no process group, no allocation).
+  rollout   sample G responses per prompt from the captured prompt state (temperature, top-p, stop
+            ids, seeded so every layout samples the same tokens) -> a rollouts file for train.
 Every subcommand takes `--config CFG` and trailing `key=value` overrides (e.g. parallel.tp=2).
 Bad input (config, layout, rollouts, checkpoint) exits with status 2 and one line naming it.
 """
@@ -36,12 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. parallel.tp=2")
     s.set_defaults(command="smoke")
 
-    def replay_args(sp, need_weights):
+    def replay_args(sp, need_weights, online=False):
         sp.add_argument("--config", default=None)
         g = sp.add_mutually_exclusive_group(required=need_weights)
         g.add_argument("--hf", default=None, help="Hugging Face directory (config.json + *.safetensors)")
         g.add_argument("--load", default=None, help="Megatron checkpoint directory")
-        sp.add_argument("--rollouts", required=True, help="JSON Lines prompt groups")
+        if online:
+            d = sp.add_mutually_exclusive_group(required=True)
+            d.add_argument("--rollouts", default=None, help="JSON Lines prompt groups")
+            d.add_argument("--online", action="store_true",
+                           help="sample every step's groups from the current policy on the config's task (on-policy)")
+        else:
+            sp.add_argument("--rollouts", required=True, help="JSON Lines prompt groups")
         r = sp.add_mutually_exclusive_group()
         r.add_argument("--ref-hf", default=None, help="reference model (HF dir) for the KL term / DPO margin")
         r.add_argument("--ref-load", default=None, help="reference model (Megatron checkpoint)")
@@ -50,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("overrides", nargs="*", help="key=value config overrides")
 
     t = sub.add_parser("train", help="GRPO/DPO training with branch replay")
-    replay_args(t, need_weights=False)
+    replay_args(t, need_weights=False, online=True)
     t.add_argument("--steps", type=int, required=True)
     t.add_argument("--save", default=None, help="checkpoint directory")
     t.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint under --save")
@@ -62,6 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--mode", choices=["detached", "exact"], default=None)
     v.add_argument("--dump-grads", action="store_true")
     v.set_defaults(command="validate")
+    ro = sub.add_parser("rollout", help="sample G responses per prompt from the captured prompt state -> rollouts file")
+    ro.add_argument("--config", default=None)
+    g = ro.add_mutually_exclusive_group()
+    g.add_argument("--hf", default=None, help="Hugging Face directory (config.json + *.safetensors)")
+    g.add_argument("--load", default=None, help="Megatron checkpoint directory")
+    src = ro.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", default=None,
+                     help='JSON Lines {"prompt": [ids], "key": [ids]?}; with a key the reward is key recall\'s')
+    src.add_argument("--task-prompts", type=int, default=None, help="draw this many prompts from the config's task")
+    ro.add_argument("--out", required=True, help="the rollouts file to write (JSON Lines, the format train reads)")
+    ro.add_argument("overrides", nargs="*", help="key=value config overrides (rollout.temperature=0.7, ...)")
+    ro.set_defaults(command="rollout")
     pl = sub.add_parser("plan", help="per-rank memory and FLOPs of a run; does it fit, the largest prompt that does")
     pl.add_argument("--config", default=None)
     pl.add_argument("--hf", default=None, help="take the model from this Hugging Face directory's config.json")

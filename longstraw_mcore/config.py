@@ -375,6 +375,61 @@ class GRPOConfig:
 
 
 @dataclass(kw_only=True)
+class RolloutConfig:
+    """On-policy sampling from the captured prompt state (`longstraw rollout`, `train --online`)."""
+
+    temperature: float = 1.0
+    """0: greedy (ties to the lowest id); > 0: softmax(logits / temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of most likely tokens whose probability reaches top_p."""
+    max_tokens: int = 32
+    stop_ids: list[int] = field(default_factory=list)
+    """A branch ends after sampling any of these (the stop token is kept in the response)."""
+    group_size: int = 8
+    seed: int = 0
+    """Every rank draws the same numbers for (seed, prompt index, step): layouts sample the same tokens."""
+    max_prompt_len: int = 1 << 22
+    """Prompts longer than this are refused before any model work."""
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ConfigError(f"rollout.temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p={self.top_p}: must be in (0, 1]")
+        for name in ("max_tokens", "group_size", "max_prompt_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"rollout.{name}={v!r}: must be an integer >= 1")
+        if not isinstance(self.stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                          for t in self.stop_ids):
+            raise ConfigError(f"rollout.stop_ids={self.stop_ids!r}: must be a list of token ids (integers >= 0)")
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    """The built-in task `train --online` and `longstraw rollout --task` draw prompts from and score."""
+
+    name: Literal["key_recall"] = "key_recall"
+    min_len: int = 64
+    max_len: int = 256
+    key_len: int = 2
+    n_values: int = 16
+    copies: int = 1
+    """How many times the key appears in a prompt (at independent random positions)."""
+    seed: int = 0
+    eval_prompts: int = 32
+    """Held-out prompts (greedy decoding) scored every `eval_every` steps; 0: none."""
+    eval_every: int = 5
+
+    def __post_init__(self):
+        _check_choice("task.name", self.name, ("key_recall",))
+        for name in ("eval_prompts", "eval_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"task.{name}={v!r}: must be an integer >= 0")
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     """Optimizer and loop of `longstraw train`; a step is counted in prompt groups."""
 
@@ -414,6 +469,8 @@ class RunConfig:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     device: Literal["cpu", "cuda", "auto"] = "auto"
     """`cpu` (gloo), `cuda` (NCCL), or `auto`: cuda when available."""
     seed: int = 1234
@@ -421,6 +478,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         _check_choice("device", self.device, DEVICES)
         self.model.check_layout(self.parallel)
+        bad = [t for t in self.rollout.stop_ids if t >= self.model.vocab_size]
+        if bad:
+            raise ConfigError(f"rollout.stop_ids={self.rollout.stop_ids}: {bad} not below model.vocab_size="
+                              f"{self.model.vocab_size}")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

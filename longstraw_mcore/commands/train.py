@@ -12,13 +12,35 @@ from longstraw_mcore.commands.common import (build_and_load, launch_world_size, 
 from longstraw_mcore.commands.preflight import check_fits, check_groups, check_run, check_save_dir
 
 
+def _online_shape(cfg):
+    """A stand-in group with the task's largest prompt and G full-length responses (for the checks)."""
+    from longstraw_mcore.data.rollouts import RolloutGroup
+    from longstraw_mcore.rollout.online import make_task
+
+    task, r = make_task(cfg), cfg.rollout
+    if cfg.grpo.objective != "grpo":
+        from longstraw_mcore.config import ConfigError
+
+        raise ConfigError(f"train --online samples GRPO groups; grpo.objective={cfg.grpo.objective!r}")
+    if task.max_len > r.max_prompt_len:
+        from longstraw_mcore.config import ConfigError
+
+        raise ConfigError(f"task.max_len={task.max_len} exceeds rollout.max_prompt_len={r.max_prompt_len}")
+    return RolloutGroup(prompt=[0] * task.max_len, responses=[[0] * r.max_tokens] * r.group_size,
+                        rewards=[0.0] * r.group_size)
+
+
 def run(args) -> int:
     from longstraw_mcore.data.rollouts import load_rollouts
 
     cfg = load_run_config(args)
     check_run(cfg, "train", launch_world_size())
-    groups = load_rollouts(args.rollouts, cfg.model.vocab_size)
-    check_groups(cfg, groups, has_ref_model=bool(args.ref_hf or args.ref_load))
+    online = getattr(args, "online", False)
+    if online:
+        groups = [_online_shape(cfg)]
+    else:
+        groups = load_rollouts(args.rollouts, cfg.model.vocab_size)
+        check_groups(cfg, groups, has_ref_model=bool(args.ref_hf or args.ref_load))
     check_fits(cfg, groups, launch_world_size(), args.force, "train")
     start = check_save_dir(args.save, args.resume, args.steps)
     if start is not None and start >= args.steps:
@@ -33,26 +55,44 @@ def run(args) -> int:
 
     model = build_and_load(cfg, par, args.hf, args.load, "train")
     ddp, opt = build_training(model, cfg, par)
-    trainer = Trainer(cfg, par, ddp, opt, groups, ref_model=reference_model(args, cfg, par), log=rank0_print)
+    source = None
+    if online:
+        from longstraw_mcore.rollout.online import OnlineGroups
+
+        source = OnlineGroups(cfg)
+        groups = []
+    trainer = Trainer(cfg, par, ddp, opt, groups, ref_model=reference_model(args, cfg, par), log=rank0_print,
+                      online=source)
     if args.resume and trainer.resume(args.save):
         rank0_print(f"[train] resumed from {args.save} at step {trainer.step}")
     if trainer.step >= args.steps:
         rank0_print(f"[train] step {trainer.step} >= --steps {args.steps}: nothing to do")
         return 0
-    rank0_print(f"[train] {len(groups)} prompt groups, {cfg.train.groups_per_step} per step per data-parallel rank, "
+    what = (f"online: key recall prompts of {cfg.task.min_len}-{cfg.task.max_len} tokens, G={cfg.rollout.group_size}, "
+            f"chance reward {source.task.chance:.3f}" if online else f"{len(groups)} prompt groups")
+    rank0_print(f"[train] {what}, {cfg.train.groups_per_step} per step per data-parallel rank, "
                 f"mode {cfg.replay.mode}, objective {cfg.grpo.objective}, layout tp={par.tp} pp={par.pp} cp={par.cp} "
                 f"dp={par.dp}, "
                 f"steps {trainer.step + 1}..{args.steps}")
     if args.metrics_out and par.rank == 0:
         Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
     every = cfg.train.save_every
+    evaluate = online and cfg.task.eval_prompts > 0 and cfg.task.eval_every > 0
+    if evaluate and trainer.step == 0:
+        _log(args, par, {"step": 0, "heldout_reward": source.held_out(ddp.module)})
     while trainer.step < args.steps:
         m = trainer.run_step()
-        rank0_print("[train] " + json.dumps(m))
-        if args.metrics_out and par.rank == 0:
-            with open(args.metrics_out, "a") as f:
-                f.write(json.dumps(m) + "\n")
+        if evaluate and (trainer.step % cfg.task.eval_every == 0 or trainer.step == args.steps):
+            m["heldout_reward"] = source.held_out(ddp.module)
+        _log(args, par, m)
         if args.save and ((every and trainer.step % every == 0) or trainer.step == args.steps):
             dst = trainer.save(args.save)
             rank0_print(f"[train] checkpoint {dst}")
     return 0
+
+
+def _log(args, par, m: dict) -> None:
+    rank0_print("[train] " + json.dumps(m))
+    if args.metrics_out and par.rank == 0:
+        with open(args.metrics_out, "a") as f:
+            f.write(json.dumps(m) + "\n")

@@ -82,9 +82,12 @@ def build_optimizer(ddp, cfg: RunConfig, par):
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, par, ddp, optimizer, groups: list[RolloutGroup], ref_model=None, log=print):
+    def __init__(self, cfg: RunConfig, par, ddp, optimizer, groups: list[RolloutGroup], ref_model=None, log=print,
+                 online=None):
+        """`groups`: the rollouts file's groups; or `online` (rollout/online.OnlineGroups): groups sampled
+        from the current policy at every step."""
         self.cfg, self.par, self.ddp, self.opt = cfg, par, ddp, optimizer
-        self.groups, self.ref_model, self.log = groups, ref_model, log
+        self.groups, self.ref_model, self.log, self.online = groups, ref_model, log, online
         self.step = 0
         self.history: list[dict] = []
 
@@ -101,9 +104,15 @@ class Trainer:
         gps = cfg.train.groups_per_step
         # loss, reward, tokens, clipped, kl, skipped, groups, state bytes: host numbers until reduced
         acc = [0.0] * 8
-        for i in range(gps):
-            gi = group_index(self.step, self._dp_rank(), i, par.dp, gps, len(self.groups))
-            st = process_group(self.ddp, self.groups[gi], cfg.replay, cfg.grpo, par.tp, scale=1.0 / gps,
+        t_sample = time.perf_counter()
+        if self.online is not None:  # sampled now from the weights being trained: on-policy
+            mine = list(enumerate(self.online.groups(self.ddp.module, self.step, self._dp_rank(), par.dp, gps)))
+        else:
+            mine = [(gi, self.groups[gi]) for gi in
+                    (group_index(self.step, self._dp_rank(), i, par.dp, gps, len(self.groups)) for i in range(gps))]
+        t_sample = time.perf_counter() - t_sample
+        for gi, group in mine:
+            st = process_group(self.ddp, group, cfg.replay, cfg.grpo, par.tp, scale=1.0 / gps,
                                ref_model=self.ref_model, index=gi)
             for j, x in enumerate((st.loss, st.reward_mean, st.tokens, st.clipped, st.kl_sum, float(st.skipped), 1.0,
                                    st.state_bytes + st.ref_state_bytes)):
@@ -123,6 +132,9 @@ class Trainer:
             "seconds": time.perf_counter() - t0, "peak_bytes": peak_bytes(par.device),
             "state_bytes": int(acc[7] / n),
         }
+        if self.online is not None:
+            metrics["sample_seconds"] = t_sample
+            metrics["tokens_per_s"] = acc[2] / max(metrics["seconds"], 1e-9)
         self.history.append(metrics)
         return metrics
 

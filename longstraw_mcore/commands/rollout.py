@@ -1,0 +1,96 @@
+"""`longstraw rollout`: sample G responses per prompt from the captured prompt state and write the
+rollouts file `train` reads (prompt, responses, rewards, old_logprobs = the sampled tokens' log-probs).
+
+  longstraw rollout --config CFG [--hf DIR | --load DIR] (--prompts FILE | --task-prompts N) --out FILE
+      [rollout.temperature=.. rollout.top_p=.. rollout.max_tokens=.. rollout.stop_ids=[..]
+       rollout.group_size=.. rollout.seed=..]
+
+Prompts are split over the data-parallel ranks (prompt i on rank i % dp); every rank of one
+data-parallel group samples the same tokens. Rank 0 writes the file atomically. Every input is
+checked before any process group: a prompt longer than rollout.max_prompt_len, a bad temperature,
+top-p or token count is refused naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from longstraw_mcore.commands.common import build_and_load, launch_world_size, load_run_config, rank0_print
+from longstraw_mcore.commands.preflight import check_run
+from longstraw_mcore.config import ConfigError
+
+
+def _read_prompts(path: str, cfg) -> list[tuple[list[int], list[int] | None]]:
+    from longstraw_mcore.rollout.sampler import check_prompt
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--prompts {path!r}: no such file")
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(x for x in f if x.strip()):
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--prompts {path}: line {n + 1} is not JSON ({e})") from None
+            if not isinstance(d, dict) or not isinstance(d.get("prompt"), list):
+                raise ConfigError(f"--prompts {path}: line {n + 1} needs {{\"prompt\": [token ids]}}")
+            check_prompt(d["prompt"], cfg.rollout, cfg.model.vocab_size, f"--prompts {path} line {n + 1}")
+            out.append((d["prompt"], d.get("key")))
+    if not out:
+        raise ConfigError(f"--prompts {path}: no prompts")
+    return out
+
+
+def run(args) -> int:
+    cfg = load_run_config(args)
+    check_run(cfg, "rollout", launch_world_size())
+    if cfg.parallel.pp > 1:
+        raise ConfigError(f"parallel.pp={cfg.parallel.pp}: rollout under pipeline parallelism is not built yet; sample at "
+                          "pp=1 (TP, CP and data parallel work) and train at any layout")
+    if args.task_prompts is not None:
+        if args.task_prompts < 1:
+            raise ConfigError(f"--task-prompts {args.task_prompts}: must be >= 1")
+        from longstraw_mcore.rollout.online import OnlineGroups
+
+        src = OnlineGroups(cfg)
+        prompts = [src.example(i) for i in range(args.task_prompts)]
+    else:
+        prompts = _read_prompts(args.prompts, cfg)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise ConfigError(f"--out {args.out!r}: folder {out_dir} does not exist")
+
+    from longstraw_mcore.parallel.groups import setup_parallel
+    from longstraw_mcore.rollout.sampler import sample_group
+    from longstraw_mcore.tasks.key_recall import reward
+
+    par = setup_parallel(cfg)
+    model = build_and_load(cfg, par, args.hf, args.load, "rollout")
+    model.eval()
+    dp, me = par.dp, par.pgs.dp.rank()
+    rank0_print(f"[rollout] {len(prompts)} prompts x G={cfg.rollout.group_size}, temperature {cfg.rollout.temperature}, "
+                f"top-p {cfg.rollout.top_p}, up to {cfg.rollout.max_tokens} tokens, layout tp={par.tp} cp={par.cp} dp={dp}")
+    mine = {}
+    for i in range(me, len(prompts), dp):
+        prompt, key = prompts[i]
+        sg = sample_group(model, prompt, cfg.rollout, cfg.replay, index=i)
+        rewards = [reward(r, key) if key else 0.0 for r in sg.responses]
+        mine[i] = {"prompt": prompt, "responses": sg.responses, "rewards": rewards, "old_logprobs": sg.logprobs}
+        if (i // dp) % max(1, len(prompts) // dp // 10) == 0:
+            rank0_print(f"[rollout] prompt {i + 1}/{len(prompts)}: {len(prompt)} tokens, mean reward "
+                        f"{sum(rewards) / len(rewards):.3f}")
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size(par.pgs.dp)
+    dist.all_gather_object(every, mine, group=par.pgs.dp)
+    if par.rank == 0:
+        merged = {k: v for d in every for k, v in d.items()}
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            for i in range(len(prompts)):
+                f.write(json.dumps(merged[i]) + "\n")
+        os.replace(tmp, args.out)
+        mean = sum(sum(g["rewards"]) / len(g["rewards"]) for g in merged.values()) / len(merged)
+        print(f"[rollout] wrote {len(prompts)} groups to {args.out}; mean reward {mean:.4f}", flush=True)
+    return 0

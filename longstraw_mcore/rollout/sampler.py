@@ -1,0 +1,112 @@
+"""On-policy sampling from the captured prompt state: the prompt runs once (capture, as branch replay
+does), then G responses grow one token per step, each step replaying the branches' tokens so far
+against that state without autograd and sampling the next token from the last position's logits.
+
+    capture      prompt[:-1] -> the prompt state (replay/engine.capture; any TP / CP layout)
+    step t       ids [G, t+1] = [prompt[-1], y_1 .. y_t] at positions P-1.. -> logits of position P-1+t
+                 (full vocabulary: the TP slices gathered) -> y_{t+1} per branch
+    record       log_softmax(logits)[y_{t+1}] at temperature 1: the policy's own log-prob of the token
+                 (what GRPO's ratio needs as old_logprobs; equal to what replay scoring computes)
+
+Each step replays the whole branch prefix (O(R^2) tokens per branch): the state is shared and
+read-only, and responses in RL post-training are short next to the prompt. Sampling is a function of
+the logits and of uniform numbers drawn from a generator keyed by (seed, prompt index) on every rank,
+so every rank of every layout picks the same tokens from the same logits, without communication;
+layouts whose logits differ by rounding agree unless a uniform number falls within that rounding of a
+boundary between tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from longstraw_mcore.config import ConfigError, ReplayConfig, RolloutConfig
+
+
+@dataclass
+class SampledGroup:
+    prompt: list[int]
+    responses: list[list[int]]
+    logprobs: list[list[float]]      # the model's log-prob of each sampled token (temperature 1)
+
+
+def _core(model):
+    return getattr(model, "module", model)
+
+
+def full_logits(core, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [B, Hd] (last stage's final-norm output) -> logits [B, V] over the true vocabulary, on every
+    TP rank (the output layer's column slices gathered), in >= float32."""
+    logits, _ = core.output_layer(hidden)
+    tp = core.pg_collection.tp
+    if tp.size() > 1:
+        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+        logits = gather_from_tensor_model_parallel_region(logits, group=tp)
+    work = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return logits[..., :core.model_cfg.vocab_size].to(work)
+
+
+def choose(logits: torch.Tensor, cfg: RolloutConfig, u: torch.Tensor) -> torch.Tensor:
+    """Next tokens [B] from logits [B, V] and uniform numbers u [B] in [0, 1) (ignored when greedy)."""
+    if cfg.temperature == 0:
+        return torch.argmax(logits, dim=-1)  # the first maximum: ties go to the lowest id
+    probs = torch.softmax(logits.double() / cfg.temperature, dim=-1)
+    p_sorted, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    before = torch.cumsum(p_sorted, dim=-1) - p_sorted          # mass of the more likely tokens
+    kept = torch.where(before < cfg.top_p, p_sorted, torch.zeros_like(p_sorted))
+    cdf = torch.cumsum(kept, dim=-1)
+    target = (u.double() * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, target, right=True).clamp(max=logits.shape[-1] - 1)
+    return order.gather(-1, idx).squeeze(-1)
+
+
+def check_prompt(prompt: list[int], cfg: RolloutConfig, vocab_size: int, where: str) -> None:
+    if not 2 <= len(prompt) <= cfg.max_prompt_len:
+        raise ConfigError(f"{where}: prompt of {len(prompt)} tokens; rollout needs 2 to rollout.max_prompt_len="
+                          f"{cfg.max_prompt_len}")
+    bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise ConfigError(f"{where}: token id {bad[0]!r} out of range [0, {vocab_size})")
+
+
+@torch.no_grad()
+def sample_group(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayConfig, index: int = 0) -> SampledGroup:
+    """G = cfg.group_size responses to `prompt` (prompt index `index` keys the random numbers)."""
+    from longstraw_mcore.parallel.cp import CPLayout
+    from longstraw_mcore.prompt_state.contexts import ReplayContext
+    from longstraw_mcore.replay.engine import capture
+
+    core = _core(model)
+    if core.pg_collection.pp.size() > 1:
+        raise ConfigError("rollout under pipeline parallelism is not built yet: sample at parallel.pp=1 (TP, CP and "
+                          "data parallel work) and train at any layout")
+    check_prompt(prompt, cfg, core.model_cfg.vocab_size, f"prompt {index}")
+    device = next(core.parameters()).device
+    state = capture(model, torch.tensor([prompt[:-1]], device=device),
+                    ReplayConfig(mode="detached", chunk_len=replay.chunk_len))
+    layout = CPLayout.of(core.cp_group)
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
+    G, stop = cfg.group_size, set(cfg.stop_ids)
+    seqs = [[prompt[-1]] for _ in range(G)]
+    logps: list[list[float]] = [[] for _ in range(G)]
+    done = [False] * G
+    for _ in range(cfg.max_tokens):
+        u = torch.rand(G, generator=gen, dtype=torch.float64)  # drawn every step: the stream never depends on stops
+        ids = torch.tensor(seqs, device=device)
+        hidden = core.forward_hidden(ids, ReplayContext(state, batch=G, store_probs=False, layout=layout))
+        logits = full_logits(core, hidden[-1])                   # [G, V]
+        nxt = choose(logits, cfg, u.to(logits.device))
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, nxt[:, None])[:, 0]
+        for b in range(G):
+            tok = int(nxt[b]) if not done[b] else seqs[b][-1]   # finished branches repeat a token, unread
+            seqs[b].append(tok)
+            if not done[b]:
+                logps[b].append(float(lp[b]))
+                done[b] = tok in stop
+        if all(done):
+            break
+    responses = [s[1:1 + len(lp)] for s, lp in zip(seqs, logps)]
+    return SampledGroup(prompt=list(prompt), responses=responses, logprobs=logps)

@@ -1,0 +1,152 @@
+"""Sampling from the captured prompt state (rollout/sampler.py) against plain references, float64:
+  - temperature 0: the tokens equal greedy decoding by full-sequence forward passes of the same model
+    (prompt + tokens so far, no state), for the tiny Qwen hybrid and the tiny GLM-5.2;
+  - every sampled token's recorded log-prob equals the model's log-prob of it, as branch-replay
+    scoring (replay/engine.score_group) computes it: <= 1e-10 (temperature 0.8, top-p 0.9);
+  - top-p -> 0 is greedy; a stop id ends a branch (kept as its last token); the same seed gives the
+    same tokens and another seed others;
+  - TP=2 and CP=2 sample the same tokens as TP=1 for the same seed (2 gloo ranks);
+  - the task's reward and chance, and bad sampling input refused naming the value."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from longstraw_mcore.launch_local import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _model(config, overrides):
+    import torch
+
+    from longstraw_mcore.config import load_config
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.parallel.groups import setup_parallel
+
+    cfg = load_config(os.path.join(ROOT, "configs", config), ["model.dtype=float64", "device=cpu", *overrides])
+    torch.manual_seed(11)
+    return cfg, get_family(cfg.model.family).build_model(cfg.model, setup_parallel(cfg), "cpu")
+
+
+def _greedy_reference(model, prompt, n):
+    """Greedy decoding by full-sequence forward passes (no prompt state)."""
+    import torch
+
+    from longstraw_mcore.rollout.sampler import full_logits
+
+    seq = list(prompt)
+    for _ in range(n):
+        hidden = model(torch.tensor([seq]), hidden_only=True)
+        seq.append(int(torch.argmax(full_logits(model, hidden[-1]), dim=-1)[0]))
+    return seq[len(prompt):]
+
+
+def _single_worker(rank, world_size):
+    import torch
+
+    from longstraw_mcore.replay.engine import score_group
+    from longstraw_mcore.rollout.sampler import sample_group
+
+    out = {}
+    for config, extra in (("qwen3.6-tiny.yaml", []), ("glm-5.2-tiny.yaml", ["model.num_layers=4"])):
+        cfg, model = _model(config, extra + ["replay.chunk_len=16"])
+        g = torch.Generator().manual_seed(3)
+        prompt = torch.randint(0, cfg.model.vocab_size, (37,), generator=g).tolist()
+        greedy = dataclasses.replace(cfg.rollout, temperature=0.0, group_size=2, max_tokens=6)
+        got = sample_group(model, prompt, greedy, cfg.replay, index=0)
+        out[(config, "greedy")] = (got.responses, _greedy_reference(model, prompt, 6))
+        hot = dataclasses.replace(cfg.rollout, temperature=0.8, top_p=0.9, group_size=4, max_tokens=5, seed=5)
+        s = sample_group(model, prompt, hot, cfg.replay, index=2)
+        scored, _ = score_group(model, prompt, s.responses, cfg.replay)
+        out[(config, "logprobs")] = max(abs(a - float(b)) for lp, ref in zip(s.logprobs, scored)
+                                        for a, b in zip(lp, ref))
+        out[(config, "hot")] = s.responses
+        if config.startswith("qwen"):
+            out["same_seed"] = sample_group(model, prompt, hot, cfg.replay, index=2).responses
+            out["other_seed"] = sample_group(model, prompt, dataclasses.replace(hot, seed=6), cfg.replay, 2).responses
+            tiny_p = dataclasses.replace(hot, top_p=1e-9)
+            out["top_p_greedy"] = (sample_group(model, prompt, tiny_p, cfg.replay, 2).responses,
+                                   sample_group(model, prompt, dataclasses.replace(greedy, group_size=4,
+                                                                                   max_tokens=5), cfg.replay).responses)
+            stop = s.responses[0][1]
+            stopped = sample_group(model, prompt, dataclasses.replace(hot, stop_ids=[stop]), cfg.replay, 2)
+            out["stop"] = (stop, stopped.responses, stopped.logprobs)
+    return out
+
+
+def test_sampling_equals_greedy_reference_and_scoring():
+    out = run_ranks(_single_worker, 1, timeout_s=600)[0]
+    for config in ("qwen3.6-tiny.yaml", "glm-5.2-tiny.yaml"):
+        got, ref = out[(config, "greedy")]
+        print(f"{config}: greedy {got[0]} vs full-sequence {ref}; sampled log-probs vs scoring "
+              f"{out[(config, 'logprobs')]:.1e}")
+        assert got == [ref, ref]
+        assert out[(config, "logprobs")] <= 1e-10
+        assert len(set(map(tuple, out[(config, "hot")]))) > 1  # sampling, not argmax
+    assert out["same_seed"] == out[("qwen3.6-tiny.yaml", "hot")]
+    assert out["other_seed"] != out["same_seed"]
+    assert out["top_p_greedy"][0] == out["top_p_greedy"][1]
+    stop, responses, logprobs = out["stop"]
+    assert responses[0] == out[("qwen3.6-tiny.yaml", "hot")][0][:2]  # same stream up to the stop token
+    for r, lp in zip(responses, logprobs):
+        assert len(r) == len(lp) and (stop not in r or r.index(stop) == len(r) - 1)
+
+
+def _layout_worker(rank, world_size):
+    import torch
+
+    from longstraw_mcore.rollout.sampler import sample_group
+
+    out = {}
+    for name, layout in (("tp1", []), ("tp2", ["parallel.tp=2"]), ("cp2", ["parallel.cp=2"])):
+        cfg, model = _model("qwen3.6-tiny.yaml", layout + ["replay.chunk_len=16"])
+        g = torch.Generator().manual_seed(4)
+        prompt = torch.randint(0, cfg.model.vocab_size, (45,), generator=g).tolist()
+        hot = dataclasses.replace(cfg.rollout, temperature=1.0, top_p=0.95, group_size=4, max_tokens=6, seed=9)
+        s = sample_group(model, prompt, hot, cfg.replay, index=1)
+        out[name] = (s.responses, s.logprobs)
+    return out
+
+
+def test_tp2_and_cp2_sample_the_same_tokens_as_tp1():
+    outs = run_ranks(_layout_worker, 2, timeout_s=600)
+    ref_tokens, ref_lp = outs[0]["tp1"]
+    for rank, out in enumerate(outs):
+        for name, (tokens, lp) in out.items():
+            assert tokens == ref_tokens, (rank, name)
+            worst = max(abs(a - b) for x, y in zip(lp, ref_lp) for a, b in zip(x, y))
+            assert worst <= 1e-10, (rank, name, worst)
+
+
+def test_key_recall_task_and_bad_sampling_input():
+    import random
+
+    from longstraw_mcore.config import ConfigError, RolloutConfig, load_config
+    from longstraw_mcore.rollout.sampler import check_prompt
+    from longstraw_mcore.tasks.key_recall import KeyRecall, reward
+
+    t = KeyRecall(vocab_size=512, min_len=20, max_len=40, key_len=3, n_values=16)
+    prompt, key = t.make(random.Random(0))
+    assert 20 <= len(prompt) <= 40 and prompt[-1] == t.marker and prompt.count(t.marker) == 1
+    at = next(i for i, x in enumerate(prompt) if x in t.values)
+    assert prompt[at:at + 3] == key and all(v in t.values for v in key)
+    assert all(x >= t.first_distractor for i, x in enumerate(prompt) if not at <= i < at + 3 and i < len(prompt) - 1)
+    assert reward(key, key) == 1.0 and reward(key[:1] + [0, 0], key) == pytest.approx(1 / 3)
+    assert reward([], key) == 0.0 and t.chance == 1 / 16
+    # a prompt-ignoring policy's best expected reward is chance: every value is equally likely per position
+    rng = random.Random(1)
+    keys = [t.make(rng)[1] for _ in range(4000)]
+    best_fixed = max(sum(reward([v] * 3, k) for k in keys) / len(keys) for v in t.values)
+    assert abs(best_fixed - t.chance) < 0.02
+    for overrides, want in [(["rollout.temperature=-0.5"], "rollout.temperature=-0.5: must be >= 0"),
+                            (["rollout.top_p=0"], "rollout.top_p=0"), (["rollout.top_p=1.5"], "rollout.top_p=1.5"),
+                            (["rollout.max_tokens=0"], "rollout.max_tokens=0: must be an integer >= 1"),
+                            (["rollout.stop_ids=[600]"], "rollout.stop_ids=[600]: [600] not below model.vocab_size=512")]:
+        with pytest.raises(ConfigError, match=want.replace("[", r"\[").replace("]", r"\]")):
+            load_config(os.path.join(ROOT, "configs", "qwen3.6-tiny.yaml"), overrides)
+    with pytest.raises(ConfigError, match="prompt 3: prompt of 9 tokens; rollout needs 2 to rollout.max_prompt_len=8"):
+        check_prompt([5] * 9, RolloutConfig(max_prompt_len=8), 512, "prompt 3")
