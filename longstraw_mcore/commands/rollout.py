@@ -44,10 +44,10 @@ def _read_prompts(path: str, cfg) -> list[tuple[list[int], list[int] | None]]:
 
 def run(args) -> int:
     cfg = load_run_config(args)
-    check_run(cfg, "rollout", launch_world_size())
     if cfg.parallel.pp > 1:
         raise ConfigError(f"parallel.pp={cfg.parallel.pp}: rollout under pipeline parallelism is not built yet; sample at "
                           "pp=1 (TP, CP and data parallel work) and train at any layout")
+    check_run(cfg, "rollout", launch_world_size())
     if args.task_prompts is not None:
         if args.task_prompts < 1:
             raise ConfigError(f"--task-prompts {args.task_prompts}: must be >= 1")

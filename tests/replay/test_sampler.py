@@ -150,3 +150,56 @@ def test_key_recall_task_and_bad_sampling_input():
             load_config(os.path.join(ROOT, "configs", "qwen3.6-tiny.yaml"), overrides)
     with pytest.raises(ConfigError, match="prompt 3: prompt of 9 tokens; rollout needs 2 to rollout.max_prompt_len=8"):
         check_prompt([5] * 9, RolloutConfig(max_prompt_len=8), 512, "prompt 3")
+
+
+def test_rollout_cli_refuses_bad_input_before_any_model_work(tmp_path, capsys):
+    from longstraw_mcore.cli import main
+
+    cfg = os.path.join(ROOT, "configs", "qwen3.6-tiny.yaml")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}\n')
+    cases = [
+        (["--task-prompts", "4", "rollout.temperature=-1"], "rollout.temperature=-1.0: must be >= 0"),
+        (["--task-prompts", "4", "rollout.top_p=0"], "rollout.top_p=0.0: must be in (0, 1]"),
+        (["--task-prompts", "4", "rollout.max_tokens=0"], "rollout.max_tokens=0: must be an integer >= 1"),
+        (["--prompts", str(prompts), "rollout.max_prompt_len=8"],
+         "line 1: prompt of 10 tokens; rollout needs 2 to rollout.max_prompt_len=8"),
+        (["--task-prompts", "4", "parallel.pp=2"], "rollout under pipeline parallelism is not built yet"),
+    ]
+    for argv, want in cases:
+        out = tmp_path / "r.jsonl"
+        rc = main(["rollout", "--config", cfg, "--out", str(out), *argv, "device=cpu"])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and want in err and len(err.splitlines()) == 1, (argv, err)
+        assert not out.exists()
+
+
+def _cli_worker(rank, world_size, tmp):
+    from longstraw_mcore.cli import main
+    from longstraw_mcore.data.rollouts import load_rollouts
+
+    cfg = os.path.join(ROOT, "configs", "qwen3.6-tiny.yaml")
+    out = os.path.join(tmp, "r.jsonl")
+    common = ["device=cpu", "rollout.group_size=4", "rollout.max_tokens=2", "task.min_len=24", "task.max_len=40"]
+    rc = main(["rollout", "--config", cfg, "--task-prompts", "3", "--out", out, *common])
+    groups = load_rollouts(out, 512)
+    rc2 = main(["train", "--config", cfg, "--rollouts", out, "--steps", "1", "--metrics-out",
+                os.path.join(tmp, "m.jsonl"), *common])
+    rc3 = main(["train", "--config", cfg, "--online", "--steps", "2", "--metrics-out", os.path.join(tmp, "online.jsonl"),
+                *common, "task.eval_every=2", "task.eval_prompts=2", "replay.batch_branches=true"])
+    return rc, [(len(g.prompt), g.responses, g.rewards, g.old_logprobs) for g in groups], rc2, rc3
+
+
+def test_rollout_file_feeds_train_and_train_online_runs(tmp_path):
+    """`longstraw rollout --task-prompts` writes a rollouts file `train` reads (with old_logprobs);
+    `train --online` samples, trains and logs held-out reward."""
+    import json
+
+    rc, groups, rc2, rc3 = run_ranks(_cli_worker, 1, str(tmp_path), timeout_s=600)[0]
+    assert rc == 0 and rc2 == 0 and rc3 == 0 and len(groups) == 3
+    for P, responses, rewards, old in groups:
+        assert 24 <= P <= 40 and len(responses) == 4 and all(len(r) == 2 for r in responses)
+        assert all(0.0 <= x <= 1.0 for x in rewards) and all(len(o) == 2 and max(o) < 0 for o in old)
+    online = [json.loads(x) for x in open(tmp_path / "online.jsonl")]
+    assert [m["step"] for m in online] == [0, 1, 2] and "heldout_reward" in online[0] and "heldout_reward" in online[2]
+    assert all("sample_seconds" in m for m in online[1:])
