@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--chance", type=float, default=None)
     p.add_argument("--title", default="key recall: on-policy GRPO with branch replay")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)
     labels = a.label or [os.path.basename(os.path.dirname(os.path.abspath(m))) for m in a.metrics]
     if len(labels) != len(a.metrics):
         p.error(f"{len(a.metrics)} metrics files but {len(labels)} --label")

@@ -55,11 +55,11 @@ def _single_worker(rank, world_size):
     for config, extra in (("qwen3.6-tiny.yaml", []), ("glm-5.2-tiny.yaml", ["model.num_layers=4"])):
         cfg, model = _model(config, extra + ["replay.chunk_len=16"])
         g = torch.Generator().manual_seed(3)
-        prompt = torch.randint(0, cfg.model.vocab_size, (37,), generator=g).tolist()
-        greedy = dataclasses.replace(cfg.rollout, temperature=0.0, group_size=2, max_tokens=6)
+        prompt = torch.randint(0, cfg.model.vocab_size, (29,), generator=g).tolist()
+        greedy = dataclasses.replace(cfg.rollout, temperature=0.0, group_size=2, max_tokens=4)
         got = sample_group(model, prompt, greedy, cfg.replay, index=0)
-        out[(config, "greedy")] = (got.responses, _greedy_reference(model, prompt, 6))
-        hot = dataclasses.replace(cfg.rollout, temperature=0.8, top_p=0.9, group_size=4, max_tokens=5, seed=5)
+        out[(config, "greedy")] = (got.responses, _greedy_reference(model, prompt, 4))
+        hot = dataclasses.replace(cfg.rollout, temperature=0.8, top_p=0.9, group_size=4, max_tokens=4, seed=5)
         s = sample_group(model, prompt, hot, cfg.replay, index=2)
         scored, _ = score_group(model, prompt, s.responses, cfg.replay)
         out[(config, "logprobs")] = max(abs(a - float(b)) for lp, ref in zip(s.logprobs, scored)
@@ -71,7 +71,7 @@ def _single_worker(rank, world_size):
             tiny_p = dataclasses.replace(hot, top_p=1e-9)
             out["top_p_greedy"] = (sample_group(model, prompt, tiny_p, cfg.replay, 2).responses,
                                    sample_group(model, prompt, dataclasses.replace(greedy, group_size=4,
-                                                                                   max_tokens=5), cfg.replay).responses)
+                                                                                   max_tokens=4), cfg.replay).responses)
             stop = s.responses[0][1]
             stopped = sample_group(model, prompt, dataclasses.replace(hot, stop_ids=[stop]), cfg.replay, 2)
             out["stop"] = (stop, stopped.responses, stopped.logprobs)
