@@ -23,6 +23,10 @@ case "$steps" in ''|*[!0-9]*|0) echo "error: --steps '$steps' must be a positive
 venv=$(bash "$repo/scripts/env.sh")
 cd "$repo"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# only a previous demo's folder (or an empty one) is replaced
+if [ -e "$run" ] && [ -n "$(ls -A "$run" 2>/dev/null)" ] && [ ! -f "$run/metrics.jsonl" ]; then
+  echo "error: --out '$run' exists and is not a previous demo run (no metrics.jsonl); choose another folder" >&2; exit 2
+fi
 rm -rf "$run" && mkdir -p "$run"
 t0=$(date +%s)
 "$venv/bin/python" -m torch.distributed.run --standalone --nproc-per-node 2 \
