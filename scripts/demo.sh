@@ -24,7 +24,7 @@ venv=$(bash "$repo/scripts/env.sh")
 cd "$repo"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # only a previous demo's folder (or an empty one) is replaced
-if [ -e "$run" ] && [ -n "$(ls -A "$run" 2>/dev/null)" ] && [ ! -f "$run/metrics.jsonl" ]; then
+if [ "$run" != "$repo/runs/demo" ] && [ -e "$run" ] && [ -n "$(ls -A "$run" 2>/dev/null)" ] && [ ! -f "$run/metrics.jsonl" ]; then
   echo "error: --out '$run' exists and is not a previous demo run (no metrics.jsonl); choose another folder" >&2; exit 2
 fi
 rm -rf "$run" && mkdir -p "$run"
