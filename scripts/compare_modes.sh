@@ -57,5 +57,6 @@ json.dump({"chance": chance, "heldout": res}, open(os.path.join(out, "results.js
 PY
 args=()
 for i in "${!files[@]}"; do args+=("${files[$i]}" --label "${labels[$i]}"); done
-"$venv/bin/python" tools/plot_rewards.py "${args[@]}" --out "$out/reward.png" --chance 0.125 \
+chance=$("$venv/bin/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["chance"])' "$out/results.json")
+"$venv/bin/python" tools/plot_rewards.py "${args[@]}" --out "$out/reward.png" --chance "$chance" \
   --title "key recall: detached vs exact gradient (same seeds)"

@@ -32,17 +32,15 @@ t0=$(date +%s)
 "$venv/bin/python" -m torch.distributed.run --standalone --nproc-per-node 2 \
   -m longstraw_mcore train --config configs/demo-key-recall.yaml --online --steps "$steps" \
   --save "$run/ckpt" --metrics-out "$run/metrics.jsonl" replay.mode="$mode" train.save_every="$steps" "$@"
-"$venv/bin/python" - "$run/metrics.jsonl" "$mode" "$(( $(date +%s) - t0 ))" <<'PY'
+chance=$("$venv/bin/python" -c 'from longstraw_mcore.config import load_config; from longstraw_mcore.rollout.online import make_task; print(make_task(load_config("configs/demo-key-recall.yaml")).chance)')
+"$venv/bin/python" - "$run/metrics.jsonl" "$mode" "$(( $(date +%s) - t0 ))" "$chance" <<'PY'
 import json, sys
-from longstraw_mcore.config import load_config
-from longstraw_mcore.rollout.online import make_task
 rows = [json.loads(x) for x in open(sys.argv[1]) if x.strip()]
 held = [(m["step"], m["heldout_reward"]) for m in rows if "heldout_reward" in m]
-chance = make_task(load_config("configs/demo-key-recall.yaml")).chance
+chance = float(sys.argv[4])
 first, last = held[0][1], held[-1][1]
 print(f"[demo] {sys.argv[2]} mode, {rows[-1]['step']} steps in {sys.argv[3]} s: held-out reward {first:.3f} at step 0 -> "
       f"{last:.3f} at step {held[-1][0]}; chance (a policy ignoring the prompt) {chance:.3f}: "
       f"{last / chance:.1f}x chance ({'>=' if last >= 5 * chance else 'below'} 5x)")
 PY
-"$venv/bin/python" tools/plot_rewards.py "$run/metrics.jsonl" --label "$mode" --out "$run/reward.png" \
-  --chance "$("$venv/bin/python" -c 'from longstraw_mcore.config import load_config; from longstraw_mcore.rollout.online import make_task; print(make_task(load_config("configs/demo-key-recall.yaml")).chance)')"
+"$venv/bin/python" tools/plot_rewards.py "$run/metrics.jsonl" --label "$mode" --out "$run/reward.png" --chance "$chance"

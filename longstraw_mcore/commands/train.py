@@ -14,17 +14,14 @@ from longstraw_mcore.commands.preflight import check_fits, check_groups, check_r
 
 def _online_shape(cfg):
     """A stand-in group with the task's largest prompt and G full-length responses (for the checks)."""
+    from longstraw_mcore.config import ConfigError
     from longstraw_mcore.data.rollouts import RolloutGroup
     from longstraw_mcore.rollout.online import make_task
 
     task, r = make_task(cfg), cfg.rollout
     if cfg.grpo.objective != "grpo":
-        from longstraw_mcore.config import ConfigError
-
         raise ConfigError(f"train --online samples GRPO groups; grpo.objective={cfg.grpo.objective!r}")
     if task.max_len > r.max_prompt_len:
-        from longstraw_mcore.config import ConfigError
-
         raise ConfigError(f"task.max_len={task.max_len} exceeds rollout.max_prompt_len={r.max_prompt_len}")
     return RolloutGroup(prompt=[0] * task.max_len, responses=[[0] * r.max_tokens] * r.group_size,
                         rewards=[0.0] * r.group_size)
