@@ -407,26 +407,68 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class TaskConfig:
-    """The built-in task `train --online` and `longstraw rollout --task` draw prompts from and score."""
+    """The built-in task `train --online` and `longstraw rollout --task-prompts` draw prompts from and score
+    (tasks/key_recall.py holds the task itself)."""
 
     name: Literal["key_recall"] = "key_recall"
     min_len: int = 64
     max_len: int = 256
+    """Prompt lengths (uniform in [min_len, max_len]): the held-out prompts, and training once any curriculum ends."""
     key_len: int = 2
     n_values: int = 16
     copies: int = 1
     """How many times the key appears in a prompt (at independent random positions)."""
+    start_len: list[int] = field(default_factory=list)
+    """Length curriculum: [min, max] of the training prompts for the first `hold_steps` steps, then both
+    grow geometrically to [min_len, max_len] over `ramp_steps` steps; [] (default): no curriculum."""
+    hold_steps: int = 0
+    ramp_steps: int = 0
     seed: int = 0
     eval_prompts: int = 32
-    """Held-out prompts (greedy decoding) scored every `eval_every` steps; 0: none."""
+    """Held-out prompts (greedy decoding, split over data-parallel ranks) scored every `eval_every` steps; 0: none."""
     eval_every: int = 5
 
     def __post_init__(self):
         _check_choice("task.name", self.name, ("key_recall",))
-        for name in ("eval_prompts", "eval_every"):
+        for name in ("eval_prompts", "eval_every", "hold_steps", "ramp_steps", "seed"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"task.{name}={v!r}: must be an integer >= 0")
+        if not isinstance(self.key_len, int) or not 1 <= self.key_len <= 16:
+            raise ConfigError(f"task.key_len={self.key_len!r}: must be an integer in 1..16")
+        if not isinstance(self.n_values, int) or self.n_values < 2:
+            raise ConfigError(f"task.n_values={self.n_values!r}: must be an integer >= 2")
+        if not isinstance(self.copies, int) or self.copies < 1:
+            raise ConfigError(f"task.copies={self.copies!r}: must be an integer >= 1")
+        shortest = self.copies * self.key_len + 8  # room for the key copies, some distractors and the marker
+        if not (isinstance(self.min_len, int) and isinstance(self.max_len, int)
+                and shortest <= self.min_len <= self.max_len):
+            raise ConfigError(f"task.min_len={self.min_len!r}, task.max_len={self.max_len!r}: need "
+                              f"{shortest} <= min_len <= max_len ({shortest} = task.copies * task.key_len + 8)")
+        if self.start_len:
+            s = self.start_len
+            if not (len(s) == 2 and all(isinstance(x, int) for x in s) and shortest <= s[0] <= s[1]
+                    and s[0] <= self.min_len and s[1] <= self.max_len):
+                raise ConfigError(f"task.start_len={s!r}: must be [min, max] with {shortest} <= min <= max, "
+                                  f"min <= task.min_len={self.min_len} and max <= task.max_len={self.max_len}")
+        elif self.hold_steps or self.ramp_steps:
+            raise ConfigError(f"task.hold_steps={self.hold_steps}, task.ramp_steps={self.ramp_steps} without "
+                              "task.start_len: give the curriculum's starting lengths [min, max], or set both to 0")
+
+    def lengths(self, step: int) -> tuple[int, int]:
+        """[min, max] of the training prompts at optimizer step `step` (1-based)."""
+        if not self.start_len:
+            return self.min_len, self.max_len
+        frac = min(1.0, max(0, step - self.hold_steps) / self.ramp_steps) if self.ramp_steps else float(
+            step > self.hold_steps)
+        lo, hi = (round(a * (b / a) ** frac) for a, b in zip(self.start_len, (self.min_len, self.max_len)))
+        return lo, max(lo, hi)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        need = 2 + self.n_values + 8  # token 0 unused, the marker, the values, at least 8 distractors
+        if vocab_size < need:
+            raise ConfigError(f"model.vocab_size={vocab_size} is too small for key recall with task.n_values="
+                              f"{self.n_values} (needs >= {need})")
 
 
 @dataclass(kw_only=True)

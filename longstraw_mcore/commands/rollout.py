@@ -44,9 +44,6 @@ def _read_prompts(path: str, cfg) -> list[tuple[list[int], list[int] | None]]:
 
 def run(args) -> int:
     cfg = load_run_config(args)
-    if cfg.parallel.pp > 1:
-        raise ConfigError(f"parallel.pp={cfg.parallel.pp}: rollout under pipeline parallelism is not built yet; sample at "
-                          "pp=1 (TP, CP and data parallel work) and train at any layout")
     check_run(cfg, "rollout", launch_world_size())
     if args.task_prompts is not None:
         if args.task_prompts < 1:
@@ -70,7 +67,7 @@ def run(args) -> int:
     model.eval()
     dp, me = par.dp, par.pgs.dp.rank()
     rank0_print(f"[rollout] {len(prompts)} prompts x G={cfg.rollout.group_size}, temperature {cfg.rollout.temperature}, "
-                f"top-p {cfg.rollout.top_p}, up to {cfg.rollout.max_tokens} tokens, layout tp={par.tp} cp={par.cp} dp={dp}")
+                f"top-p {cfg.rollout.top_p}, up to {cfg.rollout.max_tokens} tokens, layout tp={par.tp} pp={par.pp} cp={par.cp} dp={dp}")
     mine = {}
     for i in range(me, len(prompts), dp):
         prompt, key = prompts[i]

@@ -16,14 +16,14 @@ def _online_shape(cfg):
     """A stand-in group with the task's largest prompt and G full-length responses (for the checks)."""
     from longstraw_mcore.config import ConfigError
     from longstraw_mcore.data.rollouts import RolloutGroup
-    from longstraw_mcore.rollout.online import make_task
 
-    task, r = make_task(cfg), cfg.rollout
+    t, r = cfg.task, cfg.rollout
+    t.check_vocab(cfg.model.vocab_size)
     if cfg.grpo.objective != "grpo":
         raise ConfigError(f"train --online samples GRPO groups; grpo.objective={cfg.grpo.objective!r}")
-    if task.max_len > r.max_prompt_len:
-        raise ConfigError(f"task.max_len={task.max_len} exceeds rollout.max_prompt_len={r.max_prompt_len}")
-    return RolloutGroup(prompt=[0] * task.max_len, responses=[[0] * r.max_tokens] * r.group_size,
+    if t.max_len > r.max_prompt_len:
+        raise ConfigError(f"task.max_len={t.max_len} exceeds rollout.max_prompt_len={r.max_prompt_len}")
+    return RolloutGroup(prompt=[0] * t.max_len, responses=[[0] * r.max_tokens] * r.group_size,
                         rewards=[0.0] * r.group_size)
 
 
@@ -65,8 +65,13 @@ def run(args) -> int:
     if trainer.step >= args.steps:
         rank0_print(f"[train] step {trainer.step} >= --steps {args.steps}: nothing to do")
         return 0
-    what = (f"online: key recall prompts of {cfg.task.min_len}-{cfg.task.max_len} tokens, G={cfg.rollout.group_size}, "
-            f"chance reward {source.task.chance:.3f}" if online else f"{len(groups)} prompt groups")
+    what = f"{len(groups)} prompt groups"
+    if online:
+        t = cfg.task
+        what = (f"online: key recall prompts of {t.min_len}-{t.max_len} tokens"
+                + (f" (training from {t.start_len[0]}-{t.start_len[1]}: held {t.hold_steps} steps, "
+                   f"grown over {t.ramp_steps})" if t.start_len else "")
+                + f", G={cfg.rollout.group_size}, chance reward {source.task.chance:.3f}")
     rank0_print(f"[train] {what}, {cfg.train.groups_per_step} per step per data-parallel rank, "
                 f"mode {cfg.replay.mode}, objective {cfg.grpo.objective}, layout tp={par.tp} pp={par.pp} cp={par.cp} "
                 f"dp={par.dp}, "
@@ -76,11 +81,11 @@ def run(args) -> int:
     every = cfg.train.save_every
     evaluate = online and cfg.task.eval_prompts > 0 and cfg.task.eval_every > 0
     if evaluate and trainer.step == 0:
-        _log(args, par, {"step": 0, "heldout_reward": source.held_out(ddp.module)})
+        _log(args, par, {"step": 0, "heldout_reward": source.held_out(ddp.module, par.pgs.dp, par.device)})
     while trainer.step < args.steps:
         m = trainer.run_step()
         if evaluate and (trainer.step % cfg.task.eval_every == 0 or trainer.step == args.steps):
-            m["heldout_reward"] = source.held_out(ddp.module)
+            m["heldout_reward"] = source.held_out(ddp.module, par.pgs.dp, par.device)
         _log(args, par, m)
         if args.save and ((every and trainer.step % every == 0) or trainer.step == args.steps):
             dst = trainer.save(args.save)

@@ -89,6 +89,27 @@ def _schedule(core, model, steps: list[Step], forward_step, forward_only: bool) 
         p2p_communicator=P2PCommunicator(pp_group=pgs.pp, config=core.config), pg_collection=pgs)
 
 
+def forward_once(model, forward, read):
+    """One forward-only micro-batch through the pipeline (no autograd): `forward()` runs this stage's
+    layers (its input arrives from the previous stage, its output goes to the next); on the last
+    stage `read(output)` takes what it needs. Returns read's value on the last stage, None elsewhere."""
+    core = E._core(model)
+    box = []
+
+    def forward_step(data_iterator, model_):
+        next(data_iterator)
+        out = forward()
+
+        def loss(hidden):
+            box.append(read(hidden))
+            return _loss(hidden.new_zeros(()), 1)
+
+        return out, loss
+
+    _schedule(core, model, [None], forward_step, forward_only=True)
+    return box[0] if box else None
+
+
 def _capture(core, model, steps: list[Step], g, state: PromptState, layout: CPLayout | None) -> None:
     keep = g.cfg.mode == "exact"
     n = len(steps)

@@ -4,13 +4,16 @@ state (rollout/sampler.py), scores them with the task's reward and hands them to
 the sampled log-probs as `old_logprobs`.
 
 Prompt `idx` (global over steps and data-parallel ranks) comes from Random(task.seed, idx), so a
-resumed run draws the same prompts, and the tensor / context-parallel ranks of one data-parallel rank
-draw (and sample) the same ones. Held-out prompts come from a separate stream; they are decoded
-greedily (temperature 0) and scored: the learning curve.
+resumed run draws the same prompts, and the tensor / context / pipeline ranks of one data-parallel
+rank draw (and sample) the same ones. Training prompts follow the task's length curriculum
+(task.start_len -> [min_len, max_len], TaskConfig.lengths). Held-out prompts come from a separate
+stream at the task's full lengths; they are decoded greedily (temperature 0), split over the
+data-parallel ranks, and scored: the learning curve.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from longstraw_mcore.config import RunConfig
@@ -20,35 +23,36 @@ from longstraw_mcore.tasks.key_recall import KeyRecall, reward
 
 
 def make_task(cfg: RunConfig) -> KeyRecall:
-    t = cfg.task
-    return KeyRecall(vocab_size=cfg.model.vocab_size, min_len=t.min_len, max_len=t.max_len, key_len=t.key_len,
-                     n_values=t.n_values, copies=t.copies)
+    return KeyRecall(cfg.task, cfg.model.vocab_size)
 
 
 class OnlineGroups:
     def __init__(self, cfg: RunConfig):
         self.cfg, self.task = cfg, make_task(cfg)
 
-    def example(self, idx: int) -> tuple[list[int], list[int]]:
-        return self.task.make(random.Random(self.cfg.task.seed * 1_000_003 + idx))
+    def example(self, idx: int, lengths: tuple[int, int] | None = None) -> tuple[list[int], list[int]]:
+        return self.task.make(random.Random(self.cfg.task.seed * 1_000_003 + idx), lengths)
 
     def groups(self, model, step: int, dp_rank: int, dp: int, n: int) -> list[RolloutGroup]:
         out = []
+        lengths = self.cfg.task.lengths(step)
         for i in range(n):
             idx = ((step - 1) * dp + dp_rank) * n + i
-            prompt, key = self.example(idx)
+            prompt, key = self.example(idx, lengths)
             sg = sample_group(model, prompt, self.cfg.rollout, self.cfg.replay, index=idx)
             out.append(RolloutGroup(prompt=prompt, responses=sg.responses,
                                     rewards=[reward(r, key) for r in sg.responses], old_logprobs=sg.logprobs))
         return out
 
-    def held_out(self, model) -> float:
-        """Mean reward of greedy responses on the task's held-out prompts (every rank scores all of them)."""
-        import dataclasses
+    def held_out(self, model, dp_group, device) -> float:
+        """Mean reward of greedy responses on the task's held-out prompts; data-parallel rank r decodes
+        prompts r, r + dp, ..., and the sum is reduced over `dp_group` (the same number on every rank)."""
+        from longstraw_mcore.parallel.reduce import all_reduce_sum
 
-        greedy = dataclasses.replace(self.cfg.rollout, temperature=0.0, group_size=1, max_tokens=self.task.key_len)
+        greedy = dataclasses.replace(self.cfg.rollout, temperature=0.0, group_size=1, max_tokens=self.cfg.task.key_len)
+        n = self.cfg.task.eval_prompts
         total = 0.0
-        for j in range(self.cfg.task.eval_prompts):
+        for j in range(dp_group.rank(), n, dp_group.size()):
             prompt, key = self.example(-1 - j)
             total += reward(sample_group(model, prompt, greedy, self.cfg.replay, index=-1 - j).responses[0], key)
-        return total / max(self.cfg.task.eval_prompts, 1)
+        return all_reduce_sum([total], dp_group, device)[0] / max(n, 1)

@@ -8,6 +8,10 @@ against that state without autograd and sampling the next token from the last po
     record       log_softmax(logits)[y_{t+1}] at temperature 1: the policy's own log-prob of the token
                  (what GRPO's ratio needs as old_logprobs; equal to what replay scoring computes)
 
+Under pipeline parallelism a step is one forward-only micro-batch through the stages (Megatron's
+schedule, replay/stages.forward_once); the last stage picks the tokens and broadcasts them, with
+their log-probs, over the pipeline group, so every stage feeds the same ids to the next step.
+
 Each step replays the whole branch prefix (O(R^2) tokens per branch): the state is shared and
 read-only, and responses in RL post-training are short next to the prompt. Sampling is a function of
 the logits and of uniform numbers drawn from a generator keyed by (seed, prompt index) on every rank,
@@ -72,6 +76,30 @@ def check_prompt(prompt: list[int], cfg: RolloutConfig, vocab_size: int, where: 
         raise ConfigError(f"{where}: token id {bad[0]!r} out of range [0, {vocab_size})")
 
 
+def _pick(core, hidden: torch.Tensor, cfg: RolloutConfig, u: torch.Tensor) -> torch.Tensor:
+    """[2, G] float64: the next tokens and their log-probs, from the last stage's output [S, G, Hd]."""
+    logits = full_logits(core, hidden[-1])                   # [G, V]
+    nxt = choose(logits, cfg, u.to(logits.device))
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, nxt[:, None])[:, 0]
+    return torch.stack([nxt.double(), lp.double()])      # token ids < 2**53: exact in float64
+
+
+def _next_tokens(model, core, ids, ctx, cfg: RolloutConfig, u: torch.Tensor):
+    pp = core.pg_collection.pp
+    if pp.size() == 1:
+        picked = _pick(core, core.forward_hidden(ids, ctx), cfg, u)
+    else:
+        import torch.distributed as dist
+
+        from longstraw_mcore.replay.stages import forward_once
+
+        picked = forward_once(model, lambda: core.forward_hidden(ids, ctx), lambda h: _pick(core, h, cfg, u))
+        if picked is None:
+            picked = torch.empty(2, ids.shape[0], dtype=torch.float64, device=ids.device)
+        dist.broadcast(picked, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
+    return picked[0].long(), picked[1]
+
+
 @torch.no_grad()
 def sample_group(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayConfig, index: int = 0) -> SampledGroup:
     """G = cfg.group_size responses to `prompt` (prompt index `index` keys the random numbers)."""
@@ -80,9 +108,6 @@ def sample_group(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayCon
     from longstraw_mcore.replay.engine import capture
 
     core = _core(model)
-    if core.pg_collection.pp.size() > 1:
-        raise ConfigError("rollout under pipeline parallelism is not built yet: sample at parallel.pp=1 (TP, CP and "
-                          "data parallel work) and train at any layout")
     check_prompt(prompt, cfg, core.model_cfg.vocab_size, f"prompt {index}")
     device = next(core.parameters()).device
     state = capture(model, torch.tensor([prompt[:-1]], device=device),
@@ -96,10 +121,7 @@ def sample_group(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayCon
     for _ in range(cfg.max_tokens):
         u = torch.rand(G, generator=gen, dtype=torch.float64)  # drawn every step: the stream never depends on stops
         ids = torch.tensor(seqs, device=device)
-        hidden = core.forward_hidden(ids, ReplayContext(state, batch=G, store_probs=False, layout=layout))
-        logits = full_logits(core, hidden[-1])                   # [G, V]
-        nxt = choose(logits, cfg, u.to(logits.device))
-        lp = torch.log_softmax(logits, dim=-1).gather(-1, nxt[:, None])[:, 0]
+        nxt, lp = _next_tokens(model, core, ids, ReplayContext(state, batch=G, store_probs=False, layout=layout), cfg, u)
         for b in range(G):
             tok = int(nxt[b]) if not done[b] else seqs[b][-1]   # finished branches repeat a token, unread
             seqs[b].append(tok)

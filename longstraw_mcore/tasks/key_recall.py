@@ -12,6 +12,10 @@ Why it needs the context: the key is uniform over `n_values ** key_len` choices 
 the prompt, so a policy that ignores the prompt scores at most 1 / n_values per position, in
 expectation, whatever it learns (its best guess is any fixed value): that is the task's `chance`.
 A model must find the key (anywhere in the prompt: the only value tokens in it) and copy it.
+
+Lengths: `make` draws a prompt length uniformly from the lengths it is given; `train --online` passes
+the config's curriculum (TaskConfig.lengths: short prompts first, then the full [min_len, max_len]),
+held-out prompts always use the full lengths.
 """
 
 from __future__ import annotations
@@ -19,53 +23,41 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from longstraw_mcore.config import ConfigError
+from longstraw_mcore.config import TaskConfig
 
 
 @dataclass(frozen=True)
 class KeyRecall:
+    """The task of `cfg` (task.* in a run config: lengths, key length, values, copies; checked there) over a
+    model vocabulary of `vocab_size` tokens."""
+
+    cfg: TaskConfig
     vocab_size: int
-    min_len: int = 64
-    max_len: int = 256
-    key_len: int = 2
-    n_values: int = 16
-    copies: int = 1
-    """The key appears this many times, at independent random positions."""
     marker: int = 1
 
     def __post_init__(self):
-        if not 1 <= self.key_len <= 16:
-            raise ConfigError(f"task.key_len={self.key_len}: must be 1..16")
-        if not 2 <= self.n_values:
-            raise ConfigError(f"task.n_values={self.n_values}: must be >= 2")
-        if not 1 <= self.copies or self.min_len < self.copies * self.key_len + 8:
-            raise ConfigError(f"task.copies={self.copies}: must be >= 1 and fit task.min_len={self.min_len}")
-        if not 8 <= self.min_len <= self.max_len:
-            raise ConfigError(f"task.min_len={self.min_len}, task.max_len={self.max_len}: need 8 <= min_len <= max_len")
-        if self.vocab_size < self.first_distractor + 8:
-            raise ConfigError(f"model.vocab_size={self.vocab_size} is too small for key recall with "
-                              f"{self.n_values} values (needs >= {self.first_distractor + 8})")
+        self.cfg.check_vocab(self.vocab_size)
 
     @property
     def values(self) -> range:
-        return range(self.marker + 1, self.marker + 1 + self.n_values)
+        return range(self.marker + 1, self.marker + 1 + self.cfg.n_values)
 
     @property
     def first_distractor(self) -> int:
-        return self.marker + 1 + self.n_values
+        return self.marker + 1 + self.cfg.n_values
 
     @property
     def chance(self) -> float:
         """The expected reward of the best policy that ignores the prompt."""
-        return 1.0 / self.n_values
+        return 1.0 / self.cfg.n_values
 
-    def make(self, rng: random.Random) -> tuple[list[int], list[int]]:
-        """(prompt, key) for one example."""
-        n = rng.randint(self.min_len, self.max_len)
-        key = [rng.choice(self.values) for _ in range(self.key_len)]
-        fill = [rng.randrange(self.first_distractor, self.vocab_size)
-                for _ in range(n - self.copies * self.key_len - 1)]
-        for at in sorted((rng.randint(0, len(fill)) for _ in range(self.copies)), reverse=True):
+    def make(self, rng: random.Random, lengths: tuple[int, int] | None = None) -> tuple[list[int], list[int]]:
+        """(prompt, key) for one example; its length is uniform in `lengths` (default: [min_len, max_len])."""
+        c = self.cfg
+        n = rng.randint(*(lengths or (c.min_len, c.max_len)))
+        key = [rng.choice(self.values) for _ in range(c.key_len)]
+        fill = [rng.randrange(self.first_distractor, self.vocab_size) for _ in range(n - c.copies * c.key_len - 1)]
+        for at in sorted((rng.randint(0, len(fill)) for _ in range(c.copies)), reverse=True):
             fill[at:at] = key
         prompt = fill + [self.marker]
         return prompt, key

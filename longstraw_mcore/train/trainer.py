@@ -102,8 +102,8 @@ class Trainer:
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
         gps = cfg.train.groups_per_step
-        # loss, reward, tokens, clipped, kl, skipped, groups, state bytes: host numbers until reduced
-        acc = [0.0] * 8
+        # loss, reward, tokens, clipped, kl, skipped, groups, state bytes, prompt tokens: host numbers until reduced
+        acc = [0.0] * 9
         t_sample = time.perf_counter()
         if self.online is not None:  # sampled now from the weights being trained: on-policy
             mine = list(enumerate(self.online.groups(self.ddp.module, self.step, self._dp_rank(), par.dp, gps)))
@@ -115,7 +115,7 @@ class Trainer:
             st = process_group(self.ddp, group, cfg.replay, cfg.grpo, par.tp, scale=1.0 / gps,
                                ref_model=self.ref_model, index=gi)
             for j, x in enumerate((st.loss, st.reward_mean, st.tokens, st.clipped, st.kl_sum, float(st.skipped), 1.0,
-                                   st.state_bytes + st.ref_state_bytes)):
+                                   st.state_bytes + st.ref_state_bytes, len(group.prompt))):
                 acc[j] += x
         finalize_grads(self.ddp, par)
         acc = all_reduce_sum(acc, par.pgs.dp, par.device)
@@ -130,11 +130,12 @@ class Trainer:
             "grad_norm": float(grad_norm) if grad_norm is not None else None, "update_ok": bool(ok),
             "groups": int(n), "skipped_groups": int(acc[5]), "tokens": int(acc[2]),
             "seconds": time.perf_counter() - t0, "peak_bytes": peak_bytes(par.device),
-            "state_bytes": int(acc[7] / n),
+            "state_bytes": int(acc[7] / n), "prompt_tokens": int(acc[8]),
         }
         if self.online is not None:
             metrics["sample_seconds"] = t_sample
-            metrics["tokens_per_s"] = acc[2] / max(metrics["seconds"], 1e-9)
+            # every token the step ran: the prompts (captured, and in exact mode recomputed) and the responses
+            metrics["tokens_per_s"] = (acc[8] + acc[2]) / max(metrics["seconds"], 1e-9)
         self.history.append(metrics)
         return metrics
 

@@ -5,8 +5,10 @@
     scoring (replay/engine.score_group) computes it: <= 1e-10 (temperature 0.8, top-p 0.9);
   - top-p -> 0 is greedy; a stop id ends a branch (kept as its last token); the same seed gives the
     same tokens and another seed others;
-  - TP=2 and CP=2 sample the same tokens as TP=1 for the same seed (2 gloo ranks);
-  - the task's reward and chance, and bad sampling input refused naming the value."""
+  - TP=2, CP=2 and PP=2 sample the same tokens as TP=1 for the same seed, with the same log-probs
+    (2 gloo ranks; at PP=2 the last stage picks and broadcasts), and `train --online` runs at PP=2;
+  - the task's reward, chance and length curriculum, and bad sampling or task input refused naming
+    the value."""
 
 from __future__ import annotations
 
@@ -96,26 +98,47 @@ def test_sampling_equals_greedy_reference_and_scoring():
         assert len(r) == len(lp) and (stop not in r or r.index(stop) == len(r) - 1)
 
 
-def _layout_worker(rank, world_size):
+def _layout_worker(rank, world_size, tmp):
     import torch
 
     from longstraw_mcore.rollout.sampler import sample_group
 
-    out = {}
-    for name, layout in (("tp1", []), ("tp2", ["parallel.tp=2"]), ("cp2", ["parallel.cp=2"])):
+    from longstraw_mcore.checkpoint.full_state import gather_full, load_full
+
+    out, full = {}, None
+    for name, layout in (("tp1", []), ("tp2", ["parallel.tp=2"]), ("cp2", ["parallel.cp=2"]), ("pp2", ["parallel.pp=2"])):
         cfg, model = _model("qwen3.6-tiny.yaml", layout + ["replay.chunk_len=16"])
+        if full is None:
+            full = gather_full(model)  # every layout gets TP1's weights (PP stages would initialize their own)
+        else:
+            load_full(model, full)
         g = torch.Generator().manual_seed(4)
         prompt = torch.randint(0, cfg.model.vocab_size, (45,), generator=g).tolist()
         hot = dataclasses.replace(cfg.rollout, temperature=1.0, top_p=0.95, group_size=4, max_tokens=6, seed=9)
         s = sample_group(model, prompt, hot, cfg.replay, index=1)
         out[name] = (s.responses, s.logprobs)
+    # on-policy training at PP=2: the stages sample together, held-out reward is reduced over data parallel
+    from longstraw_mcore.cli import main
+
+    metrics = os.path.join(tmp, "pp_online.jsonl")
+    out["pp_online"] = main(["train", "--config", os.path.join(ROOT, "configs", "demo-key-recall.yaml"), "--online",
+                             "--steps", "2", "--metrics-out", metrics, "parallel.pp=2", "train.groups_per_step=2",
+                             "rollout.group_size=4", "task.eval_every=2", "task.eval_prompts=3"])
     return out
 
 
-def test_tp2_and_cp2_sample_the_same_tokens_as_tp1():
-    outs = run_ranks(_layout_worker, 2, timeout_s=600)
+def test_tp2_cp2_and_pp2_sample_the_same_tokens_as_tp1(tmp_path):
+    import json
+
+    outs = run_ranks(_layout_worker, 2, str(tmp_path), timeout_s=600)
     ref_tokens, ref_lp = outs[0]["tp1"]
+    assert len(set(map(tuple, ref_tokens))) > 1  # sampled, not one repeated answer
+    assert [out.pop("pp_online") for out in outs] == [0, 0]
+    online = [json.loads(x) for x in open(tmp_path / "pp_online.jsonl")]
+    assert [m["step"] for m in online] == [0, 1, 2] and 0.0 <= online[2]["heldout_reward"] <= 1.0
+    assert all(m["groups"] == 2 and 24 * 2 <= m["prompt_tokens"] <= 32 * 2 for m in online[1:])  # curriculum start
     for rank, out in enumerate(outs):
+        assert set(out) == {"tp1", "tp2", "cp2", "pp2"}
         for name, (tokens, lp) in out.items():
             assert tokens == ref_tokens, (rank, name)
             worst = max(abs(a - b) for x, y in zip(lp, ref_lp) for a, b in zip(x, y))
@@ -125,11 +148,11 @@ def test_tp2_and_cp2_sample_the_same_tokens_as_tp1():
 def test_key_recall_task_and_bad_sampling_input():
     import random
 
-    from longstraw_mcore.config import ConfigError, RolloutConfig, load_config
+    from longstraw_mcore.config import ConfigError, RolloutConfig, TaskConfig, load_config
     from longstraw_mcore.rollout.sampler import check_prompt
     from longstraw_mcore.tasks.key_recall import KeyRecall, reward
 
-    t = KeyRecall(vocab_size=512, min_len=20, max_len=40, key_len=3, n_values=16)
+    t = KeyRecall(TaskConfig(min_len=20, max_len=40, key_len=3, n_values=16), vocab_size=512)
     prompt, key = t.make(random.Random(0))
     assert 20 <= len(prompt) <= 40 and prompt[-1] == t.marker and prompt.count(t.marker) == 1
     at = next(i for i, x in enumerate(prompt) if x in t.values)
@@ -142,6 +165,25 @@ def test_key_recall_task_and_bad_sampling_input():
     keys = [t.make(rng)[1] for _ in range(4000)]
     best_fixed = max(sum(reward([v] * 3, k) for k in keys) / len(keys) for v in t.values)
     assert abs(best_fixed - t.chance) < 0.02
+    # the length curriculum: held, then grown geometrically to [min_len, max_len]; examples follow it
+    c = TaskConfig(min_len=256, max_len=1024, start_len=[16, 64], hold_steps=10, ramp_steps=20)
+    assert [c.lengths(s) for s in (1, 10, 20, 30, 31, 500)] == [(16, 64), (16, 64), (64, 256), (256, 1024),
+                                                                 (256, 1024), (256, 1024)]
+    assert TaskConfig(min_len=256, max_len=1024).lengths(1) == (256, 1024)
+    rng = random.Random(2)
+    short = [len(KeyRecall(c, 512).make(rng, c.lengths(1))[0]) for _ in range(200)]
+    full = [len(KeyRecall(c, 512).make(rng)[0]) for _ in range(200)]
+    assert 16 <= min(short) and max(short) <= 64 and 256 <= min(full) and max(full) <= 1024
+    for kwargs, want in [(dict(start_len=[16]), r"task.start_len=\[16\]: must be \[min, max\]"),
+                         (dict(start_len=[16, 2000]), "max <= task.max_len=256"),
+                         (dict(hold_steps=5), "task.hold_steps=5, task.ramp_steps=0 without task.start_len"),
+                         (dict(min_len=300), "task.min_len=300, task.max_len=256: need 10 <= min_len <= max_len"),
+                         (dict(key_len=0), "task.key_len=0: must be an integer in 1..16"),
+                         (dict(n_values=1), "task.n_values=1: must be an integer >= 2")]:
+        with pytest.raises(ConfigError, match=want):
+            TaskConfig(**kwargs)
+    with pytest.raises(ConfigError, match="model.vocab_size=20 is too small for key recall with task.n_values=16"):
+        KeyRecall(TaskConfig(), vocab_size=20)
     for overrides, want in [(["rollout.temperature=-0.5"], "rollout.temperature=-0.5: must be >= 0"),
                             (["rollout.top_p=0"], "rollout.top_p=0"), (["rollout.top_p=1.5"], "rollout.top_p=1.5"),
                             (["rollout.max_tokens=0"], "rollout.max_tokens=0: must be an integer >= 1"),
@@ -164,7 +206,6 @@ def test_rollout_cli_refuses_bad_input_before_any_model_work(tmp_path, capsys):
         (["--task-prompts", "4", "rollout.max_tokens=0"], "rollout.max_tokens=0: must be an integer >= 1"),
         (["--prompts", str(prompts), "rollout.max_prompt_len=8"],
          "line 1: prompt of 10 tokens; rollout needs 2 to rollout.max_prompt_len=8"),
-        (["--task-prompts", "4", "parallel.pp=2"], "rollout under pipeline parallelism is not built yet"),
     ]
     for argv, want in cases:
         out = tmp_path / "r.jsonl"
