@@ -7,7 +7,7 @@
 #   bash scripts/compare_modes.sh [--seeds "1 2 3"] [--steps N] [extra key=value overrides]
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-seeds="1 2 3" steps=40
+seeds="1 2 3" steps=30
 while [ $# -gt 0 ]; do
   case "$1" in
     --seeds) seeds=$2; shift 2;;
