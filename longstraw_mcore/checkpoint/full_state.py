@@ -6,8 +6,9 @@ so one mechanism serves every layer type, including ours; no per-layer slicing r
 here.
 - `load_full` writes this rank's slices, reading only those slices from a source that can read
   slices (a lazy Hugging Face directory reads just the rank's rows/columns from safetensors);
-- `stream_full` hands full tensors (parameters or gradients) to one rank, one key at a time
-  (validation dumps of a large model: no rank ever holds more than one full tensor plus its own shards);
+- `stream_full` hands full tensors (parameters or gradients) to one rank, one key at a time, gathered
+  in buckets of a bounded size (validation dumps of a large model: no rank ever holds more than one
+  bucket, 256 MiB by default or one larger tensor, plus its own shards);
 - `gather_full` assembles every full tensor on every rank (tests and small models).
 Vocabulary tensors are padded in the model (Megatron's `make_vocab_size_divisible_by`; their
 sharded tensors carry `allow_shape_mismatch`): full tensors here always have the *true* vocabulary
@@ -16,6 +17,7 @@ sharded tensors carry `allow_shape_mismatch`): full tensors here always have the
 
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import torch
@@ -168,6 +170,21 @@ def _assemble(pieces) -> dict[str, torch.Tensor]:
     return out
 
 
+def _wire(d: torch.Tensor):
+    """A tensor as (dtype, shape, bytes as a numpy array) for the object collectives: numpy arrays pickle
+    as one buffer, where a tensor goes through torch.save / a safe torch.load per piece (thousands of
+    pieces: most of a 78-layer dump's time). Any dtype (bfloat16 included) travels as raw bytes."""
+    d = d.detach().cpu().contiguous()
+    return d.dtype, tuple(d.shape), d.reshape(-1).view(torch.uint8).numpy()
+
+
+def _unwire(w) -> torch.Tensor:
+    dtype, shape, raw = w
+    if raw.size == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(raw.copy()).view(dtype).reshape(shape)
+
+
 def gather_full(model, grads: bool = False, group=None) -> dict[str, torch.Tensor]:
     """Full tensors (params, or their gradients with `grads=True`) on every rank of `group` (default: world).
 
@@ -175,28 +192,47 @@ def gather_full(model, grads: bool = False, group=None) -> dict[str, torch.Tenso
     pieces = [(k, s, sl, d.cpu()) for k, s, sl, d in _pieces(model, grads, main_only=False)]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, pieces, group=group)
-        pieces = [p for rank_pieces in gathered for p in rank_pieces]
+        dist.all_gather_object(gathered, [(k, s, sl, _wire(d)) for k, s, sl, d in pieces], group=group)
+        pieces = [(k, s, sl, _unwire(w)) for rank_pieces in gathered for k, s, sl, w in rank_pieces]
     return _assemble(pieces)
 
 
-def stream_full(model, grads: bool = False, dst: int = 0,
-                order: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
+def _buckets(keys: list[str], nbytes: dict[str, int], budget: int) -> list[list[str]]:
+    """Consecutive keys grouped so that each group's full tensors total <= `budget` bytes (a larger
+    tensor alone)."""
+    out, cur, size = [], [], 0
+    for k in keys:
+        if cur and size + nbytes[k] > budget:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(k)
+        size += nbytes[k]
+    return out + ([cur] if cur else [])
+
+
+def stream_full(model, grads: bool = False, dst: int = 0, order: list[str] | None = None,
+                bucket_bytes: int = 256 << 20) -> Iterator[tuple[str, torch.Tensor | None]]:
     """(canonical key, full tensor) one key at a time, the tensor on rank `dst` only (None elsewhere),
     in `order` (every key of the model, e.g. mapping-rule order) or the ranks' own order.
 
     Collective: every rank iterates to the end. Only main replicas send (a data-parallel or
-    TP-replicated copy is not sent twice); rank `dst` holds one full tensor at a time."""
+    TP-replicated copy is not sent twice). Keys travel in buckets of consecutive keys whose full
+    tensors total at most `bucket_bytes` (one gather per bucket, not per key: a 78-layer model has
+    thousands of small tensors); rank `dst` holds one bucket's pieces at a time."""
     mine: dict[str, list] = {}
     for key, gshape, sl, d in _pieces(model, grads, main_only=True):
         mine.setdefault(key, []).append((gshape, sl, d))
+    nbytes = {k: math.prod(v[0][0]) * v[0][2].element_size() for k, v in mine.items()}
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         keys = list(mine)
     else:
         every = [None] * world
-        dist.all_gather_object(every, sorted(mine))
-        keys = list(dict.fromkeys(k for rank_keys in every for k in rank_keys))  # one order on every rank
+        dist.all_gather_object(every, sorted(nbytes.items()))
+        for rank_sizes in every:
+            for k, b in rank_sizes:
+                nbytes.setdefault(k, b)
+        keys = list(dict.fromkeys(k for rank_sizes in every for k, _ in rank_sizes))  # one order on every rank
     if order is not None:
         assert set(order) == set(keys), f"order misses {sorted(set(keys) - set(order))[:3]}, " \
                                         f"has extra {sorted(set(order) - set(keys))[:3]}"
@@ -206,7 +242,9 @@ def stream_full(model, grads: bool = False, dst: int = 0,
             yield key, _assemble([(key, g, sl, d) for g, sl, d in mine[key]])[key]
         return
     rank = dist.get_rank()
-    for key in keys:
+    for bucket in _buckets(keys, nbytes, bucket_bytes):
         box = [None] * world if rank == dst else None
-        dist.gather_object([(g, sl, d.cpu()) for g, sl, d in mine.get(key, [])], box, dst=dst)
-        yield key, (_assemble([(key, g, sl, d) for ps in box for g, sl, d in ps])[key] if rank == dst else None)
+        dist.gather_object({k: [(g, sl, _wire(d)) for g, sl, d in mine.get(k, [])] for k in bucket}, box, dst=dst)
+        for key in bucket:
+            yield key, (_assemble([(key, g, sl, _unwire(w)) for ps in box for g, sl, w in ps[key]])[key]
+                        if rank == dst else None)

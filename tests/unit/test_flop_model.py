@@ -34,7 +34,7 @@ def _worker(rank, world_size):
     for tp in (1, 2):
         par = setup_parallel(RunConfig(model=m, parallel=ParallelConfig(tp=tp), device="cpu"))
         model = build_model(m, par, "cpu")
-        for P, lens in ((200, [40, 70, 1]), (1, [33, 5])):
+        for P, lens in ((140, [40, 21, 1]), (1, [33, 5])):
             prompt = torch.randint(0, m.vocab_size, (P,), generator=g).tolist()
             resp = [torch.randint(0, m.vocab_size, (n,), generator=g).tolist() for n in lens]
             group = RolloutGroup(prompt=prompt, responses=resp, rewards=[float(i) for i in range(len(lens))])
@@ -55,23 +55,23 @@ def _worker(rank, world_size):
             rows.append((tp, P, "naive", 0.0, False, fc.get_total_flops(), naive_flops(m, P, lens, tp)["algorithm"]))
         # the budget is a threshold on the bytes: one byte short of a branch's probabilities = recompute
         heads = m.num_attention_heads // tp * m.layer_types.count("full_attention")
-        need = heads * 40 * 199 * 4
+        need = heads * 40 * 139 * 4
         at = ReplayConfig(attn_probs_budget_mib=need / 2**20)
         below = ReplayConfig(attn_probs_budget_mib=(need - 1) / 2**20)
-        rows.append((tp, "threshold", stores_attention_probs(model, 199, at, 1, 40),
-                     stores_attention_probs(model, 199, below, 1, 40)))
+        rows.append((tp, "threshold", stores_attention_probs(model, 139, at, 1, 40),
+                     stores_attention_probs(model, 139, below, 1, 40)))
     # a model whose last layer is Gated DeltaNet (G G G A G G G): exact mode's recompute then stops
     # after that layer's state and leaves its output path out of the backward
     m7 = load_config(os.path.join(root, "configs", "qwen3.6-tiny.yaml"),
                      ["model.attention_block=32", "model.num_layers=7"]).model
     par = setup_parallel(RunConfig(model=m7, parallel=ParallelConfig(tp=2), device="cpu"))
     model = build_model(m7, par, "cpu")
-    group = groups[200]
+    group = groups[140]
     for mode in ("detached", "exact"):
         rc = ReplayConfig(mode=mode, chunk_len=128, logprob_chunk=32)
         with FlopCounterMode(display=False) as fc:
             process_group(model, group, rc, gcfg, 2)
-        rows.append(("gdn-last", 200, mode, 0.0, False, fc.get_total_flops(),
+        rows.append(("gdn-last", 140, mode, 0.0, False, fc.get_total_flops(),
                      step_flops(m7, len(group.prompt), [len(r) for r in group.responses], mode, 128, 2)["algorithm"]["total"]))
     return rows
 
@@ -82,7 +82,7 @@ def test_flop_model_equals_flop_counter():
     counts = [r for r in rows if r[1] != "threshold"]
     for tp, P, mode, budget, store, measured, analytic in counts:
         print(f"tp={tp} P={P} {mode:>8} store={store!s:>5}: FlopCounterMode {measured:,} analytic {analytic:,.0f}")
-    assert len(counts) == 2 * (4 + 1) + 2 * (2 + 1) + 2  # per tp: P=200 (2 modes x 2 budgets + naive), P=1 (2 + naive)
+    assert len(counts) == 2 * (4 + 1) + 2 * (2 + 1) + 2  # per tp: P=140 (2 modes x 2 budgets + naive), P=1 (2 + naive)
     for tp, P, mode, budget, store, measured, analytic in counts:
         assert measured == analytic, (tp, P, mode, store, measured, analytic)
         assert store == (budget > 0 and P > 1 and mode != "naive")
@@ -90,6 +90,6 @@ def test_flop_model_equals_flop_counter():
     by = {(tp, P, mode, store): measured for tp, P, mode, _, store, measured, _ in counts}
     for tp in (1, 2):
         for mode in ("detached", "exact"):
-            assert by[(tp, 200, mode, True)] < by[(tp, 200, mode, False)]
+            assert by[(tp, 140, mode, True)] < by[(tp, 140, mode, False)]
     for tp, _, at, below in thresholds:
         assert at and not below, (tp, at, below)
