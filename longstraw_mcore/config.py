@@ -406,6 +406,21 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True)
+class OpsConfig:
+    """Which kernel each op runs (ops/dispatch.py)."""
+
+    attention: Literal["auto", "plain", "flash"] = "auto"
+    """auto: torch's flash ops for CUDA bf16/fp16, the plain-torch twin otherwise; plain / flash force one
+    (flash errors where it cannot run)."""
+    gdn: Literal["auto", "plain"] = "auto"
+    """Gated DeltaNet: the plain-torch chunked rule (flash-linear-attention is not wired yet)."""
+
+    def __post_init__(self):
+        _check_choice("ops.attention", self.attention, ("auto", "plain", "flash"))
+        _check_choice("ops.gdn", self.gdn, ("auto", "plain"))
+
+
+@dataclass(kw_only=True)
 class TaskConfig:
     """The built-in task `train --online` and `longstraw rollout --task-prompts` draw prompts from and score
     (tasks/key_recall.py holds the task itself)."""
@@ -513,6 +528,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    ops: OpsConfig = field(default_factory=OpsConfig)
     device: Literal["cpu", "cuda", "auto"] = "auto"
     """`cpu` (gloo), `cuda` (NCCL), or `auto`: cuda when available."""
     seed: int = 1234

@@ -130,6 +130,9 @@ def main(argv=None) -> int:
     cfg = load_config(a.config, a.overrides)
     par = setup_parallel(cfg)
     m = cfg.model
+    from longstraw_mcore.ops.dispatch import configure
+
+    configure(cfg.ops)  # ops.attention=plain|flash compares kernels; auto: flash on CUDA bf16
     model = get_family(m.family).build_model(m, par, cfg.resolved_device())
     # the analytic FLOP model (planner/flops.py) covers the hybrid family; for GLM-5.x the table has the
     # measured FLOPs only

@@ -48,7 +48,9 @@ def load_run_config(args):
 def build_and_load(cfg, par, hf, load, log_prefix):
     """This rank's model (its family's spec), with weights from an HF directory or a Megatron checkpoint."""
     from longstraw_mcore.families import get_family
+    from longstraw_mcore.ops.dispatch import configure
 
+    configure(cfg.ops)
     model = get_family(cfg.model.family).build_model(cfg.model, par, cfg.resolved_device())
     if hf:
         from longstraw_mcore.checkpoint.convert import load_hf_into_model

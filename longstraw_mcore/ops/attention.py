@@ -14,7 +14,8 @@ the accumulation dtype is the accumulators' (float32, float64 under float64).
 Capture needs no merge: one causal call over the state buffer.
 
 The partial kernels are `ops/block_attention.py` (plain torch: the CPU path and the reference for any
-fused kernel); a CUDA kernel plugs in behind `_kernel()` without touching callers.
+fused kernel) and `ops/flash_attention.py` (torch's flash ops, CUDA bf16/fp16), chosen per call by
+`_kernel()` (ops/dispatch.py) without touching callers.
 
 `cached_causal_attention` materialises the full score matrix against concatenated keys: simple and
 obviously right, it is what the blockwise kernels are tested against (tests/unit/test_block_attention.py).
@@ -59,9 +60,11 @@ class KeySet:
 
 
 def _kernel(q: torch.Tensor):
-    """The partial kernels for these queries: the plain-torch twin on every device for now (the GPU
-    fast path of the kernels issue dispatches here by device and dtype)."""
-    return plain
+    """The partial kernels for these queries (ops/dispatch.py: flash on CUDA bf16/fp16, the plain twin
+    elsewhere, `ops.attention` overrides)."""
+    from longstraw_mcore.ops.dispatch import attention_kernel
+
+    return attention_kernel(q)
 
 
 class _MergedAttention(torch.autograd.Function):

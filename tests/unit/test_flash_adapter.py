@@ -1,0 +1,163 @@
+"""The flash-attention adapter (ops/flash_attention.py) against the plain twin, on CPU: the two op
+calls it makes are replaced by a plain implementation of the op's documented contract (q [B,T,Hq,D],
+k/v [B,S,Hk,*] with Hq a multiple of Hk, causal = bottom-right aligned, lse [B,Hq,T] with +inf for rows
+that see no key; the backward computes its row term as rowsum(dO * O) from the out it is given), so
+what is tested is everything around the op: masks from absolute positions (all visible, aligned,
+visible prefix, nothing visible, rows with no key), a batch-1 state folded into one sequence or
+expanded, GQA, the merged lse, a delta that carries -dlse (through O'), the plain fallback, state
+sinks with a scale, and the merged-attention node end to end. float64, <= 1e-12. The real op is
+compared with the twin on a GPU (tests/gpu/test_flash_attention.py). Also: the dispatch and its
+overrides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+F64 = torch.float64
+
+
+def _contract_forward(q, k, v, causal, scale):
+    B, T, Hq, _ = q.shape
+    S, Hk = k.shape[1], k.shape[2]
+    kh, vh = k.repeat_interleave(Hq // Hk, 2), v.repeat_interleave(Hq // Hk, 2)
+    s = torch.einsum("bthd,bshd->bhts", q, kh) * scale
+    if causal:
+        s = s.masked_fill(torch.arange(S)[None, :] > torch.arange(T)[:, None] + S - T, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.nan_to_num(torch.exp(s - lse[..., None]))
+    return torch.einsum("bhts,bshd->bthd", p, vh).to(q.dtype), lse.masked_fill(torch.isneginf(lse), float("inf"))
+
+
+def _contract_backward(do, q, k, v, out, lse, causal, scale):
+    B, T, Hq, D = q.shape
+    S, Hk = k.shape[1], k.shape[2]
+    r = Hq // Hk
+    kh, vh = k.repeat_interleave(r, 2), v.repeat_interleave(r, 2)
+    s = torch.einsum("bthd,bshd->bhts", q, kh) * scale
+    p = torch.exp(s - lse[..., None])
+    if causal:
+        p = p.masked_fill(torch.arange(S)[None, :] > torch.arange(T)[:, None] + S - T, 0.0)
+    row = (do * out).sum(-1).transpose(1, 2)                                    # [B,Hq,T]
+    ds = p * (torch.einsum("bthd,bshd->bhts", do, vh) - row[..., None])
+    dq = torch.einsum("bhts,bshd->bthd", ds, kh) * scale
+    dk = (torch.einsum("bhts,bthd->bshd", ds, q) * scale).reshape(B, S, Hk, r, D).sum(3)
+    dv = torch.einsum("bhts,bthd->bshd", p, do).reshape(B, S, Hk, r, -1).sum(3)
+    return dq, dk, dv
+
+
+@pytest.fixture
+def flash(monkeypatch):
+    from longstraw_mcore.ops import flash_attention
+
+    monkeypatch.setattr(flash_attention, "_op_forward", _contract_forward)
+    monkeypatch.setattr(flash_attention, "_op_backward", _contract_backward)
+    return flash_attention
+
+
+CASES = [  # (name, B, Bk, T, S, q_start, k_start)
+    ("state, every key visible, batch folded", 3, 1, 5, 23, 23, 0),
+    ("own keys, aligned causal", 2, 2, 7, 7, 30, 30),
+    ("visible prefix of the keys", 2, 2, 6, 20, 10, 0),
+    ("rows that see no key", 1, 1, 8, 10, 0, 5),
+    ("causal over a batch-1 set (expanded)", 2, 1, 4, 9, 5, 0),
+    ("nothing visible", 2, 2, 5, 4, 0, 30),
+]
+
+
+@pytest.mark.parametrize("name,B,Bk,T,S,q_start,k_start", CASES, ids=[c[0] for c in CASES])
+def test_partials_equal_the_plain_twin(flash, name, B, Bk, T, S, q_start, k_start):
+    from longstraw_mcore.ops import block_attention as plain
+
+    g = torch.Generator().manual_seed(hash(name) % 1000)
+    q = torch.randn(B, T, 4, 8, generator=g, dtype=F64)
+    k, v = torch.randn(Bk, S, 2, 8, generator=g, dtype=F64), torch.randn(Bk, S, 2, 6, generator=g, dtype=F64)
+    scale = 0.3
+    ref_o, ref_l, _ = plain.partial_forward(q, k, v, q_start, k_start, scale, 4, False)
+    got_o, got_l, _ = flash.partial_forward(q, k, v, q_start, k_start, scale, 4, False)
+    assert torch.equal(torch.isneginf(got_l), torch.isneginf(ref_l))
+    fin = ~torch.isneginf(ref_l)
+    assert float((got_l[fin] - ref_l[fin]).abs().sum()) <= 1e-12 * max(1, int(fin.sum()))
+    assert (got_o - ref_o).abs().max() <= 1e-12
+    # the merged lse: this set's plus another set's (every row sees at least that one)
+    lse = torch.logaddexp(ref_l, torch.randn(B, 4, T, generator=g, dtype=F64))
+    do = torch.randn(B, 4, T, 6, generator=g, dtype=F64)
+    delta = torch.randn(B, 4, T, generator=g, dtype=F64)                 # rowsum(dO * O) - dlse: any numbers
+    for sink_scale in (None, 0.5):
+        sinks = {}
+        res = {}
+        for kern in (plain, flash):
+            sink = None
+            if sink_scale is not None:
+                if Bk != 1:
+                    continue
+                sink = (torch.zeros(1, S, 2, 8, dtype=F64), torch.zeros(1, S, 2, 6, dtype=F64))
+            res[kern] = kern.partial_backward(q, k, v, do, delta, lse, q_start, k_start, scale, 4, None, True, True,
+                                              True, sink=sink, sink_scale=sink_scale or 1.0)
+            sinks[kern] = sink
+        if not res:
+            continue
+        for a, b in zip(res[flash], res[plain]):
+            assert (a is None) == (b is None) and (a is None or (a - b).abs().max() <= 1e-12)
+        if sink_scale is not None:
+            for a, b in zip(sinks[flash], sinks[plain]):
+                assert (a - b).abs().max() <= 1e-12
+
+
+def test_zero_output_gradient_with_a_row_term_falls_back_to_plain(flash):
+    from longstraw_mcore.ops import block_attention as plain
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, 2, 8, generator=g, dtype=F64), torch.randn(1, 9, 2, 8, generator=g, dtype=F64),
+               torch.randn(1, 9, 2, 8, generator=g, dtype=F64))
+    _, lse, _ = plain.partial_forward(q, k, v, 9, 0, 0.35, 4, False)
+    do = torch.randn(1, 2, 4, 8, generator=g, dtype=F64)
+    do[0, 1, 2] = 0.0                                # dO = 0 on one row, but dlse != 0 there: delta != 0
+    delta = torch.randn(1, 2, 4, generator=g, dtype=F64)
+    a = flash.partial_backward(q, k, v, do, delta, lse, 9, 0, 0.35, 4, None, True, True, True)
+    b = plain.partial_backward(q, k, v, do, delta, lse, 9, 0, 0.35, 4, None, True, True, True)
+    for x, y in zip(a, b):
+        assert (x - y).abs().max() <= 1e-12
+
+
+def test_merged_attention_through_the_dispatch(flash, monkeypatch):
+    """The model's entry point with the flash kernels (forced through the dispatch): a state set with a
+    float64 sink and a branch's own keys; the loss uses lse too (dlse != 0)."""
+    from longstraw_mcore.ops import dispatch
+    from longstraw_mcore.ops.attention import KeySet, attention
+
+    g = torch.Generator().manual_seed(7)
+    base = {n: torch.randn(*s, generator=g, dtype=F64) for n, s in
+            dict(q=(2, 9, 4, 16), kb=(2, 9, 2, 16), vb=(2, 9, 2, 16), kp=(1, 40, 2, 16), vp=(1, 40, 2, 16)).items()}
+    res = {}
+    for name in ("plain", "flash"):
+        if name == "flash":
+            monkeypatch.setattr(dispatch, "attention_kernel", lambda q: flash)
+        t = {n: x.clone().requires_grad_(n in ("q", "kb", "vb")) for n, x in base.items()}
+        sink = (torch.zeros(1, 40, 2, 16, dtype=F64), torch.zeros(1, 40, 2, 16, dtype=F64))
+        out, lse = attention(t["q"], [KeySet(t["kp"], t["vp"], 0, grad=sink), KeySet(t["kb"], t["vb"], 40)], 40, block=8)
+        (out.pow(2).sum() + lse.sum()).backward()
+        res[name] = [out, lse, t["q"].grad, t["kb"].grad, t["vb"].grad, *sink]
+    for a, b in zip(res["flash"], res["plain"]):
+        assert (a - b).abs().max() <= 1e-12 * max(1.0, float(b.abs().max()))
+
+
+def test_dispatch_and_overrides():
+    from longstraw_mcore.config import ConfigError, OpsConfig, load_config
+    from longstraw_mcore.ops import block_attention, dispatch
+
+    q = torch.randn(1, 2, 4, 8)
+    assert dispatch.attention_kernel(q) is block_attention                      # CPU: always the twin
+    assert dispatch.attention_kernel(q.bfloat16()) is block_attention
+    with dispatch.override(attention="plain"):
+        assert dispatch.attention_kernel(q) is block_attention
+    with dispatch.override(attention="flash"), pytest.raises(ValueError, match="ops.attention=flash needs CUDA"):
+        dispatch.attention_kernel(q.bfloat16())
+    assert dispatch._choice["attention"] == "auto"                              # restored after the block
+    with pytest.raises(ConfigError, match="ops.attention='fast': must be one of auto, plain, flash"):
+        dispatch.override(attention="fast").__enter__()
+    with pytest.raises(ConfigError, match="ops.attention"):
+        load_config("configs/qwen3.6-tiny.yaml", ["ops.attention=fast"])
+    with pytest.raises(ConfigError, match="ops.gdn"):
+        OpsConfig(gdn="fla")
+    assert load_config("configs/qwen3.6-tiny.yaml", ["ops.attention=plain"]).ops.attention == "plain"
