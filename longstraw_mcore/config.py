@@ -412,12 +412,13 @@ class OpsConfig:
     attention: Literal["auto", "plain", "flash"] = "auto"
     """auto: torch's flash ops for CUDA bf16/fp16, the plain-torch twin otherwise; plain / flash force one
     (flash errors where it cannot run)."""
-    gdn: Literal["auto", "plain"] = "auto"
-    """Gated DeltaNet: the plain-torch chunked rule (flash-linear-attention is not wired yet)."""
+    gdn: Literal["auto", "plain", "fla"] = "auto"
+    """Gated DeltaNet: auto takes flash-linear-attention for CUDA bf16/fp16 where installed (the gpu extra),
+    the plain-torch chunked rule otherwise; plain / fla force one."""
 
     def __post_init__(self):
         _check_choice("ops.attention", self.attention, ("auto", "plain", "flash"))
-        _check_choice("ops.gdn", self.gdn, ("auto", "plain"))
+        _check_choice("ops.gdn", self.gdn, ("auto", "plain", "fla"))
 
 
 @dataclass(kw_only=True)

@@ -5,7 +5,8 @@ run's choice (`ops.*` in a run config, applied by `configure`):
                 dim <= 256, the plain-torch twin (ops/block_attention.py) otherwise (CPU, float32,
                 float64: always the twin); plain: the twin everywhere; flash: flash, and an error where
                 it cannot run (comparisons must not silently measure the twin)
-    gdn         plain only so far (flash-linear-attention is the GPU issue's next step)
+    gdn         auto: flash-linear-attention (ops/fla_gdn.py) for CUDA bf16 / fp16 where fla is installed
+                (the `gpu` extra), the plain chunked rule otherwise; plain / fla force one
 
 `override(attention="plain")` switches for a block (tests, benchmarks comparing kernels).
 """
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 from longstraw_mcore.config import ConfigError
 
 ATTENTION = ("auto", "plain", "flash")
-GDN = ("auto", "plain")
+GDN = ("auto", "plain", "fla")
 _choice = {"attention": "auto", "gdn": "auto"}
 
 
@@ -59,3 +60,19 @@ def attention_kernel(q):
         raise ValueError(f"ops.attention=flash needs CUDA bf16/fp16 queries with head dim <= 256 and torch's flash "
                          f"op; got {q.device.type} {q.dtype}, head dim {q.shape[-1]} (use ops.attention=auto)")
     return flash_attention if ok else block_attention
+
+
+def gdn_kernel(v):
+    """The module whose `chunk_gated_delta_rule` runs for values `v`."""
+    from longstraw_mcore.ops import fla_gdn, gated_delta
+
+    c = _choice["gdn"]
+    if c == "plain":
+        return gated_delta
+    why = None if fla_gdn.supports(v) else f"values are {v.device.type} {v.dtype}"
+    why = why or fla_gdn.missing()
+    if c == "fla" and why:
+        raise ValueError(f"ops.gdn=fla needs CUDA bf16/fp16 values, flash-linear-attention (the gpu extra) and "
+                         f"triton >= 3.7.1: {why} (use ops.gdn=auto)")
+    ok = why is None
+    return fla_gdn if ok else gated_delta

@@ -159,5 +159,5 @@ def test_dispatch_and_overrides():
     with pytest.raises(ConfigError, match="ops.attention"):
         load_config("configs/qwen3.6-tiny.yaml", ["ops.attention=fast"])
     with pytest.raises(ConfigError, match="ops.gdn"):
-        OpsConfig(gdn="fla")
+        OpsConfig(gdn="fast")
     assert load_config("configs/qwen3.6-tiny.yaml", ["ops.attention=plain"]).ops.attention == "plain"

@@ -28,7 +28,8 @@ from megatron.core.transformer.module import MegatronModule
 from longstraw_mcore.models.mixers.common import full_then_shard, sharded_state_dict_with_tp_params
 from longstraw_mcore.models.mixers.state import GDNState
 from longstraw_mcore.models.norms import GatedRMSNorm
-from longstraw_mcore.ops.gated_delta import causal_conv1d, chunk_gated_delta_rule
+from longstraw_mcore.ops.dispatch import gdn_kernel
+from longstraw_mcore.ops.gated_delta import causal_conv1d
 
 
 @dataclass
@@ -112,8 +113,9 @@ class GatedDeltaNetMixer(MegatronModule):
         A_log, dt_bias = self.A_log[h0 * r:h1 * r], self.dt_bias[h0 * r:h1 * r]
         beta = torch.sigmoid(b.to(sd))                                            # [B, T, h*r]
         g = -A_log.to(sd).exp() * F.softplus(a.to(sd) + dt_bias.to(sd))
-        o, rec = chunk_gated_delta_rule(q, k, v, g, beta, state.recurrent if state is not None else None,
-                                        chunk_size=self.chunk_size, state_dtype=sd)
+        o, rec = gdn_kernel(v).chunk_gated_delta_rule(q, k, v, g, beta,
+                                                      state.recurrent if state is not None else None,
+                                                      chunk_size=self.chunk_size, state_dtype=sd)
         return o, GDNState(conv=conv_state, recurrent=rec)
 
     def _mix(self, hidden_states, ctx):
