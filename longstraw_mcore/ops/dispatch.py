@@ -13,46 +13,36 @@ run's choice (`ops.*` in a run config, applied by `configure`):
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 
-from longstraw_mcore.config import ConfigError
+from longstraw_mcore.config import OpsConfig
+from longstraw_mcore.ops import block_attention, fla_gdn, flash_attention, gated_delta
 
-ATTENTION = ("auto", "plain", "flash")
-GDN = ("auto", "plain", "fla")
-_choice = {"attention": "auto", "gdn": "auto"}
-
-
-def _check(name: str, value: str) -> None:
-    valid = {"attention": ATTENTION, "gdn": GDN}[name]
-    if value not in valid:
-        raise ConfigError(f"ops.{name}={value!r}: must be one of {', '.join(valid)}")
+_choice = OpsConfig()
 
 
-def configure(ops) -> None:
-    """Apply a run config's `ops` section (an OpsConfig) for this process."""
-    for name in ("attention", "gdn"):
-        _check(name, getattr(ops, name))
-        _choice[name] = getattr(ops, name)
+def configure(ops: OpsConfig) -> None:
+    """Apply a run config's `ops` section for this process (checked when the config was built)."""
+    global _choice
+    _choice = ops
 
 
 @contextmanager
 def override(**choices):
-    before = dict(_choice)
-    for name, value in choices.items():
-        _check(name, value)
-    _choice.update(choices)
+    """Other choices for a block; checked like the config's (a bad name or value raises ConfigError)."""
+    global _choice
+    before = _choice
+    _choice = dataclasses.replace(before, **choices)
     try:
         yield
     finally:
-        _choice.clear()
-        _choice.update(before)
+        _choice = before
 
 
 def attention_kernel(q):
     """The partial kernels (partial_forward / partial_backward) for queries `q`."""
-    from longstraw_mcore.ops import block_attention, flash_attention
-
-    c = _choice["attention"]
+    c = _choice.attention
     if c == "plain":
         return block_attention
     ok = flash_attention.supports(q) and flash_attention.available()
@@ -64,9 +54,7 @@ def attention_kernel(q):
 
 def gdn_kernel(v):
     """The module whose `chunk_gated_delta_rule` runs for values `v`."""
-    from longstraw_mcore.ops import fla_gdn, gated_delta
-
-    c = _choice["gdn"]
+    c = _choice.gdn
     if c == "plain":
         return gated_delta
     why = None if fla_gdn.supports(v) else f"values are {v.device.type} {v.dtype}"
@@ -74,5 +62,4 @@ def gdn_kernel(v):
     if c == "fla" and why:
         raise ValueError(f"ops.gdn=fla needs CUDA bf16/fp16 values, flash-linear-attention (the gpu extra) and "
                          f"triton >= 3.7.1: {why} (use ops.gdn=auto)")
-    ok = why is None
-    return fla_gdn if ok else gated_delta
+    return fla_gdn if why is None else gated_delta

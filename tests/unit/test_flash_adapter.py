@@ -153,9 +153,10 @@ def test_dispatch_and_overrides():
         assert dispatch.attention_kernel(q) is block_attention
     with dispatch.override(attention="flash"), pytest.raises(ValueError, match="ops.attention=flash needs CUDA"):
         dispatch.attention_kernel(q.bfloat16())
-    assert dispatch._choice["attention"] == "auto"                              # restored after the block
-    with pytest.raises(ConfigError, match="ops.attention='fast': must be one of auto, plain, flash"):
+    assert dispatch._choice.attention == "auto"                                 # restored after the block
+    with pytest.raises(ConfigError, match=r"ops.attention='fast': must be one of \['auto', 'plain', 'flash'\]"):
         dispatch.override(attention="fast").__enter__()
+    assert dispatch._choice.attention == "auto"
     with pytest.raises(ConfigError, match="ops.attention"):
         load_config("configs/qwen3.6-tiny.yaml", ["ops.attention=fast"])
     with pytest.raises(ConfigError, match="ops.gdn"):
