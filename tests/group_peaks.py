@@ -19,9 +19,9 @@ def group_peaks(model, m, device, prompt: list[int], gen: torch.Generator) -> di
     for G in (2, 8):
         grp = RolloutGroup(prompt=prompt, responses=[torch.randint(0, m.vocab_size, (6,), generator=gen).tolist()
                                                      for _ in range(G)], rewards=[float(i % 3) for i in range(G)])
-        process_group(model, grp, rcfg, GRPOConfig(), 1)  # warm: parameter gradients exist
+        process_group(model, grp, rcfg, GRPOConfig())  # warm: parameter gradients exist
         # gloo frees some collective buffers asynchronously: the lower of two measurements
-        peaks[G] = min(measure_memory(lambda: process_group(model, grp, rcfg, GRPOConfig(), 1), device)[1]
+        peaks[G] = min(measure_memory(lambda: process_group(model, grp, rcfg, GRPOConfig()), device)[1]
                        for _ in range(2))
     fn = group_loss_fn(grp, GRPOConfig(), advantages(grp.rewards, GRPOConfig()))
     state = make_leaves(capture(model, torch.tensor([prompt[:-1]]), rcfg))

@@ -6,21 +6,21 @@ from __future__ import annotations
 
 import torch
 
-from longstraw_mcore.checkpoint.hf import hf_config_dict
-from longstraw_mcore.config import ModelConfig
+from longstraw_mcore.checkpoint.qwen3_5 import hf_config_dict
+from longstraw_mcore.config import Qwen35Config
 
 
-def tiny_model_config(**overrides) -> ModelConfig:
+def tiny_model_config(**overrides) -> Qwen35Config:
     base = dict(family="qwen3_5", vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=4,
                 full_attention_interval=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 partial_rotary_factor=0.25, rope_theta=10000.0, linear_num_key_heads=2, linear_num_value_heads=4,
                 linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
                 gdn_chunk_size=8, dtype="float64")
     base.update(overrides)
-    return ModelConfig(**base)
+    return Qwen35Config(**base)
 
 
-def build_hf_model(m: ModelConfig, seed: int = 0):
+def build_hf_model(m: Qwen35Config, seed: int = 0):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     raw = hf_config_dict(m)

@@ -31,9 +31,9 @@ def _worker(rank, world_size, config, overrides, P, chunk, cp):
     from longstraw_mcore.config import load_config
     from longstraw_mcore.families import get_family
     from longstraw_mcore.models.mixers import gated_deltanet
-    from longstraw_mcore.models.mixers import state as mixer_state
     from longstraw_mcore.parallel import cp_attention
     from longstraw_mcore.parallel.groups import setup_parallel
+    from longstraw_mcore.prompt_state import hooks
     from longstraw_mcore.replay.engine import capture
 
     cfg = load_config(config, list(overrides) + [f"parallel.cp={cp}", "device=cpu"])
@@ -66,7 +66,7 @@ def _worker(rank, world_size, config, overrides, P, chunk, cp):
 
     gated_deltanet.GatedDeltaNetMixer._core = timed("gdn_core", gated_deltanet.GatedDeltaNetMixer._core)
     cp_attention.chunk_attention = timed("attention", cp_attention.chunk_attention)  # CP > 1
-    mixer_state.attention = timed("attention", mixer_state.attention)                # CP = 1
+    hooks.attention = timed("attention", hooks.attention)                            # CP = 1
     for name in ("all_gather", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
         setattr(dist, name, counted(name, getattr(dist, name)))
     prompt = torch.randint(0, cfg.model.vocab_size, (1, P - 1), generator=torch.Generator().manual_seed(0))

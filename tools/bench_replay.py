@@ -119,8 +119,8 @@ def main(argv=None) -> int:
 
     from longstraw_mcore.config import load_config
     from longstraw_mcore.data.rollouts import RolloutGroup
-    from longstraw_mcore.loss.grpo import advantages, group_loss_fn
     from longstraw_mcore.families import get_family
+    from longstraw_mcore.loss.grpo import advantages, group_loss_fn
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.planner.flops import naive_flops, step_flops
     from longstraw_mcore.replay.engine import stores_attention_probs
@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     from longstraw_mcore.ops.dispatch import configure
 
     configure(cfg.ops)  # ops.attention=plain|flash compares kernels; auto: flash on CUDA bf16
-    model = get_family(m.family).build_model(m, par, cfg.resolved_device())
+    family = get_family(m.family)
+    model = family.build_model(m, par, cfg.resolved_device())
     # the analytic FLOP model (planner/flops.py) covers the hybrid family; for GLM-5.x the table has the
     # measured FLOPs only
     analytic = m.family == "qwen3_5"
@@ -154,10 +155,10 @@ def main(argv=None) -> int:
                         continue
                     rcfg = type(cfg.replay)(**{**cfg.replay.__dict__, "mode": mode})
                     model.zero_grad(set_to_none=True)
-                    st, secs, flops, peak = _measure(lambda: process_group(model, group, rcfg, cfg.grpo, par.tp),
+                    st, secs, flops, peak = _measure(lambda: process_group(model, group, rcfg, cfg.grpo),
                                                      par.device)
                     store = stores_attention_probs(model, P - 1, rcfg, G if rcfg.batch_branches else 1, R)
-                    an = step_flops(m, P, [R] * G, mode, rcfg.chunk_len, par.tp, store_probs=store) \
+                    an = step_flops(family.layers, m, P, [R] * G, mode, rcfg.chunk_len, par.tp, store_probs=store) \
                         if analytic else None
                     if naive is None and P <= a.naive_max_prompt and G <= a.naive_max_group:
                         fn = group_loss_fn(group, cfg.grpo, advantages(group.rewards, cfg.grpo))
@@ -168,7 +169,7 @@ def main(argv=None) -> int:
                             par.device)
                         naive = {"seconds": nsecs * G / copies, "flops": nflops * G // copies, "peak_bytes": npeak,
                                  "copies_run": copies, "measured_flops_of_copies_run": nflops}
-                    nan = naive_flops(m, P, [R] * G, par.tp) if analytic else None
+                    nan = naive_flops(family.layers, m, P, [R] * G, par.tp) if analytic else None
                     row = {"P": P, "R": R, "G": G, "mode": mode, "chunk_len": rcfg.chunk_len,
                            "attn_probs_budget_mib": rcfg.attn_probs_budget_mib, "store_probs": store,
                            "seconds": secs, "phase_seconds": st.seconds,
@@ -194,9 +195,11 @@ def main(argv=None) -> int:
 
 def print_table(path: str, config: str, overrides) -> int:
     from longstraw_mcore.config import load_config
+    from longstraw_mcore.families import get_family
     from longstraw_mcore.planner.flops import naive_flops, step_flops
 
     m = load_config(config, overrides).model
+    layers = get_family(m.family).layers
     if m.family != "qwen3_5":
         raise SystemExit(f"--table-from: the table's analytic columns need the FLOP model, which covers qwen3_5 "
                          f"only; {config} is {m.family} (its JSON rows carry the measured figures)")
@@ -211,8 +214,8 @@ def print_table(path: str, config: str, overrides) -> int:
     print("|" + "---|" * 17)
     for r in rows:
         store = r.get("store_probs", False)
-        an = step_flops(m, r["P"], [r["R"]] * r["G"], r["mode"], r.get("chunk_len", 4096), store_probs=store)
-        nv = naive_flops(m, r["P"], [r["R"]] * r["G"])
+        an = step_flops(layers, m, r["P"], [r["R"]] * r["G"], r["mode"], r.get("chunk_len", 4096), store_probs=store)
+        nv = naive_flops(layers, m, r["P"], [r["R"]] * r["G"])
         f = r["flops_measured"]
         naive = r["naive"]
         copies = naive.get("copies_run", r["G"]) if naive else r["G"]

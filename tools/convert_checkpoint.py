@@ -35,12 +35,15 @@ def main(argv=None) -> int:
     try:
         if args.cmd == "hf-to-mcore":
             from longstraw_mcore.checkpoint.convert import hf_to_mcore_dir
+            from longstraw_mcore.families import family_of_dir
 
-            hf_to_mcore_dir(args.src, args.dst, tp=args.tp, pp=args.pp, ep=args.ep)
+            hf_to_mcore_dir(family_of_dir(args.src), args.src, args.dst, tp=args.tp, pp=args.pp, ep=args.ep)
         else:
             from longstraw_mcore.checkpoint.convert import mcore_to_hf_dir
+            from longstraw_mcore.checkpoint.dist_ckpt import read_checkpoint_meta
+            from longstraw_mcore.families import get_family
 
-            mcore_to_hf_dir(args.src, args.dst)
+            mcore_to_hf_dir(get_family(read_checkpoint_meta(args.src)[0].family), args.src, args.dst)
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -42,8 +42,8 @@ def main(argv=None) -> int:
         for prm in model.parameters():
             if prm.dim() == 1:
                 prm.add_((0.1 * torch.randn(prm.shape, generator=gen, dtype=torch.float64)).to(prm.dtype))
-    hf = fam.mapping.mcore_to_hf(gather_full(model), cfg.model)
-    write_hf(a.out, hf, cfg.model)
+    hf = fam.checkpoint.mcore_to_hf(gather_full(model), cfg.model)
+    write_hf(a.out, hf, fam.checkpoint.hf_config_dict(cfg.model))
     print(f"wrote {len(hf)} tensors ({sum(t.numel() for t in hf.values()) / 1e6:.3f} M parameters, "
           f"{cfg.model.dtype}) to {a.out}")
     return 0

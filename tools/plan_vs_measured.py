@@ -69,11 +69,11 @@ def _cpu_worker(rank, world_size, points):
         responses = [torch.randint(0, m.vocab_size, (R - (b % 3),), generator=g).tolist() for b in range(G)]
         group = RolloutGroup(prompt=prompt, responses=responses, rewards=[float(b % 3) for b in range(G)])
         model.zero_grad(set_to_none=True)
-        _, peak, _, how = measure_memory(lambda: process_group(model, group, cfg.replay, cfg.grpo, par.tp),
+        _, peak, _, how = measure_memory(lambda: process_group(model, group, cfg.replay, cfg.grpo),
                                          torch.device("cpu"))
         out.append({"name": name, "where": "cpu (2 gloo ranks)", "config": config, "overrides": overrides + layout,
                     "P": P, "R": R, "G": G, "mode": cfg.replay.mode, "measured_bytes": peak, "how": how,
-                    "planned_bytes": step_peak_bytes(cfg, P, R, G, world_size, cuda=False)})
+                    "planned_bytes": step_peak_bytes(get_family(cfg.model.family), cfg, P, R, G, world_size, cuda=False)})
     return out
 
 
@@ -91,6 +91,7 @@ def cpu_rows(points=CPU_POINTS) -> list[dict]:
 def h200_rows(path: str = H200) -> list[dict]:
     from longstraw_mcore.config import load_config
     from longstraw_mcore.planner.memory import step_peak_bytes
+    from longstraw_mcore.families import get_family
 
     data = json.load(open(path))
     rows = []
@@ -101,7 +102,7 @@ def h200_rows(path: str = H200) -> list[dict]:
         rows.append({"name": f"qwen3.6-27b 4 layers {r['mode']}", "where": "H200 (measured, bench27b.json)",
                      "config": "configs/qwen3.6-27b.yaml", "P": r["P"], "R": r["R"], "G": r["G"], "mode": r["mode"],
                      "measured_bytes": r["peak_bytes"], "how": "torch.cuda.max_memory_allocated above the weights",
-                     "planned_bytes": step_peak_bytes(cfg, r["P"], r["R"], r["G"], 1, cuda=True)})
+                     "planned_bytes": step_peak_bytes(get_family(cfg.model.family), cfg, r["P"], r["R"], r["G"], 1, cuda=True)})
     return rows
 
 

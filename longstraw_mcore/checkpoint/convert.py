@@ -7,7 +7,9 @@ Megatron checkpoint from one process with the tensors' own dtypes: HF -> Megatro
 bit-exact. The original `config.json` is recorded, so `mcore_to_hf_dir` gives it back. Megatron
 checkpoints written by training hold vocabulary tensors padded for their layout: the padding is
 dropped on the way out (the true vocabulary is in the recorded model config). Family-specific parts
-(config reader, mapping table) come from the family registry.
+(config reader, mapping table: checkpoint/<family>.py) come with the family record the caller hands
+in (families/: the command line and tools pick it, by a config.json's architecture or a config's
+`model.family`).
 """
 
 from __future__ import annotations
@@ -21,34 +23,40 @@ from longstraw_mcore.checkpoint.dist_ckpt import load_full_tensors, read_checkpo
 from longstraw_mcore.checkpoint.full_state import load_full, stream_full
 from longstraw_mcore.checkpoint.hf import read_tensors, write_hf
 from longstraw_mcore.checkpoint.common import CheckpointError
-from longstraw_mcore.config import ConfigError, ModelConfig, ParallelConfig, validate_layout
-from longstraw_mcore.families import get_family, read_hf_config
+from longstraw_mcore.config import ConfigError, ModelConfig, ParallelConfig
 
 
 def check_target_layout(m: ModelConfig, tp: int, pp: int, ep: int = 1) -> None:
-    validate_layout(m, ParallelConfig(tp=tp, pp=pp, ep=ep))
+    m.check_layout(ParallelConfig(tp=tp, pp=pp, ep=ep))
     if m.num_layers % pp:
         raise ConfigError(f"--pp {pp}: model.num_layers={m.num_layers} is not divisible by it")
 
 
-def hf_to_mcore_dir(src: str | Path, dst: str | Path, tp: int = 1, pp: int = 1, ep: int = 1, log=print) -> dict:
-    m, raw = read_hf_config(src)
-    mapping = get_family(m.family).mapping
+def _same_family(family, m: ModelConfig, where) -> None:
+    if m.family != family.name:
+        raise CheckpointError(f"{where}: holds a {m.family} model, not {family.name}")
+
+
+def hf_to_mcore_dir(family, src: str | Path, dst: str | Path, tp: int = 1, pp: int = 1, ep: int = 1,
+                    log=print) -> dict:
+    """`family`: the record of the directory's family (families/)."""
+    mapping = family.checkpoint
+    m, raw = mapping.read_config(src)
     check_target_layout(m, tp, pp, ep)
-    tensors, skipped = read_tensors(src)
+    tensors, skipped = read_tensors(src, mapping.tensor_name)
     canonical = mapping.hf_to_mcore(tensors, m, where=str(src))
     skipped = skipped + mapping.skipped_names(tensors, m)
     unused = sorted(set(tensors) - set(mapping.hf_shapes(m)) - set(skipped))
     if unused:
         raise CheckpointError(f"{src}: tensor(s) {unused[:5]} are not part of a {m.family} text decoder of this "
                               "config (wrong config.json?)")
-    # the original config.json goes back out unless it describes more than the decoder (a VLM's)
-    text_only = m.family != "qwen3_5" or "Qwen3_5ForCausalLM" in (raw.get("architectures") or [])
     if skipped:
         log(f"[convert] skipped {len(skipped)} tensors outside the decoder "
             f"(vision tower / multi-token prediction), e.g. {skipped[:3]}")
     _init_cpu_process()
-    save_full_tensors(canonical, dst, m, extra={"hf_config": raw if text_only else None, "source": str(src),
+    # the original config.json goes back out unless it describes more than the decoder (a VLM's)
+    keep = mapping.config_is_decoder_only(raw)
+    save_full_tensors(canonical, dst, m, extra={"hf_config": raw if keep else None, "source": str(src),
                                                 "target_layout": {"tp": tp, "pp": pp, "ep": ep}})
     nbytes = sum(t.numel() * t.element_size() for t in canonical.values())
     log(f"[convert] wrote {len(canonical)} tensors ({nbytes / 2**30:.3f} GiB) to {dst}; loads at any tp/pp/ep "
@@ -56,9 +64,8 @@ def hf_to_mcore_dir(src: str | Path, dst: str | Path, tp: int = 1, pp: int = 1, 
     return {"tensors": len(canonical), "bytes": nbytes, "skipped": skipped}
 
 
-def _unpad(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    """Drop vocabulary padding: tensors with more rows than the HF shape, the rest equal."""
-    shapes = get_family(m.family).mapping.hf_shapes(m)
+def _unpad(hf: dict[str, torch.Tensor], shapes: dict) -> dict[str, torch.Tensor]:
+    """Drop vocabulary padding: tensors with more rows than the HF shape (`shapes`), the rest equal."""
     out = {}
     for k, t in hf.items():
         want = shapes.get(k)
@@ -68,14 +75,17 @@ def _unpad(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tenso
     return out
 
 
-def mcore_to_hf_dir(src: str | Path, dst: str | Path, log=print) -> dict:
+def mcore_to_hf_dir(family, src: str | Path, dst: str | Path, log=print) -> dict:
+    """`family`: the record of the checkpoint's `model.family` (read_checkpoint_meta tells it)."""
     m, meta = read_checkpoint_meta(src)
+    _same_family(family, m, src)
     dstp = Path(dst)
     if dstp.exists() and any(dstp.iterdir()):
         raise CheckpointError(f"{dstp} exists and is not empty; refusing to overwrite")
     _init_cpu_process()
-    hf = _unpad(get_family(m.family).mapping.mcore_to_hf(load_full_tensors(src), m), m)
-    write_hf(dstp, hf, m, config=meta.get("hf_config"))
+    mapping = family.checkpoint
+    hf = _unpad(mapping.mcore_to_hf(load_full_tensors(src), m), mapping.hf_shapes(m))
+    write_hf(dstp, hf, meta.get("hf_config") or mapping.hf_config_dict(m))
     log(f"[convert] wrote {len(hf)} tensors to {dstp}")
     return {"tensors": len(hf)}
 
@@ -90,14 +100,14 @@ def _init_cpu_process() -> None:
     init_distributed("cpu")
 
 
-def load_hf_into_model(model, src: str | Path, expect: ModelConfig | None = None, log=print) -> list[str]:
-    """Load an HF directory into this rank's shard of `model` (converted in memory; each HF tensor
-    is read only for the rows/columns this rank holds)."""
-    m, _ = read_hf_config(src)
+def load_hf_into_model(family, model, src: str | Path, expect: ModelConfig | None = None, log=print) -> list[str]:
+    """Load an HF directory of `family` into this rank's shard of `model` (converted in memory; each HF
+    tensor is read only for the rows/columns this rank holds)."""
+    mapping = family.checkpoint
+    m, _ = mapping.read_config(src)
     if expect is not None:
         _check_same_dims(m, expect, src)
-    tensors, skipped = read_tensors(src)
-    mapping = get_family(m.family).mapping
+    tensors, skipped = read_tensors(src, mapping.tensor_name)
     load_full(model, mapping.LazyCanonical(tensors, m, where=str(src)))
     return skipped + mapping.skipped_names(tensors, m)
 
@@ -113,7 +123,7 @@ def _check_same_dims(m: ModelConfig, expect: ModelConfig, src) -> None:
                               + ", ".join(f"{k}={v[0]} (config says {v[1]})" for k, v in diff.items()))
 
 
-def dump_hf_tensors(model, m: ModelConfig, path: str | Path, grads: bool = False, log=print) -> int | None:
+def dump_hf_tensors(family, model, m: ModelConfig, path: str | Path, grads: bool = False, log=print) -> int | None:
     """Write the model's full tensors (or gradients) under Hugging Face names to one safetensors file
     on rank 0, one mapping rule at a time (collective; rank 0 holds one rule's tensors at most).
     Returns the bytes written on rank 0, None elsewhere."""
@@ -121,7 +131,7 @@ def dump_hf_tensors(model, m: ModelConfig, path: str | Path, grads: bool = False
 
     from longstraw_mcore.checkpoint.safetensors_stream import SafetensorsWriter
 
-    mapping = get_family(m.family).mapping
+    mapping = family.checkpoint
     rules = mapping.rules(m)
     shapes = mapping.hf_shapes(m)
     # dtype of each canonical tensor (what a gradient is kept in differs from the parameter's)

@@ -1,5 +1,5 @@
 """Hugging Face `GlmMoeDsaForCausalLM` <-> the canonical (sharded-state-dict) keys of this project's
-GLM-5.x model (models/glm5.py): the config reader, and one mapping table for both directions
+GLM-5.x model (models/glm5.py): its `config.json` (read and written), and one mapping table for both directions
 (checkpoint/rule_table.py; round trip bit-exact). Full tensors: `checkpoint.full_state.load_full`
 puts each rank's slices in place at any TP / EP, reading only those slices from safetensors.
 
@@ -23,7 +23,6 @@ bias is float32 in the published bf16 checkpoints; the model casts on load).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,11 +30,11 @@ from pathlib import Path
 import torch
 
 from longstraw_mcore.checkpoint import rule_table
-from longstraw_mcore.checkpoint.common import CheckpointError
+from longstraw_mcore.checkpoint.common import CheckpointError, config_dtype, read_config_json
 from longstraw_mcore.checkpoint.rule_table import Rule
+from longstraw_mcore.config import ConfigError, GlmDsaConfig
 
 ARCHITECTURES = ("GlmMoeDsaForCausalLM",)
-_TORCH_DTYPES = ("float32", "float64", "bfloat16", "float16")
 _REQUIRED = ("num_hidden_layers", "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
              "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
              "index_head_dim", "index_topk", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
@@ -169,17 +168,9 @@ def from_transformers_state(state: Mapping) -> dict[str, torch.Tensor]:
 # config.json
 
 
-def read_config(path: str | Path):
+def read_config(path: str | Path) -> tuple[GlmDsaConfig, dict]:
     """`config.json` of a `GlmMoeDsaForCausalLM` directory -> (GlmDsaConfig, raw dict)."""
-    from longstraw_mcore.config import ConfigError, GlmDsaConfig
-
-    d = Path(path)
-    cfg_file = d / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{d}: no config.json (expected a Hugging Face model directory)")
-    raw = json.loads(cfg_file.read_text())
-    if not any(a in ARCHITECTURES for a in raw.get("architectures") or []):
-        raise CheckpointError(f"{d}: architecture {raw.get('architectures')!r} is not one of {list(ARCHITECTURES)}")
+    raw, cfg_file = read_config_json(path, ARCHITECTURES)
     missing = [k for k in _REQUIRED if k not in raw]
     if missing:
         raise CheckpointError(f"{cfg_file}: lacks required field(s) {missing}")
@@ -203,9 +194,7 @@ def read_config(path: str | Path):
     rope = raw.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise CheckpointError(f"{cfg_file}: rope_type {rope['rope_type']!r}; only the default RoPE is supported")
-    dtype = str(raw.get("dtype", raw.get("torch_dtype", "bfloat16"))).removeprefix("torch.")
-    if dtype not in _TORCH_DTYPES:
-        raise CheckpointError(f"{cfg_file}: dtype {dtype!r} is not one of {list(_TORCH_DTYPES)}")
+    dtype = config_dtype(cfg_file, raw)
     try:
         m = GlmDsaConfig(
             vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
@@ -225,7 +214,7 @@ def read_config(path: str | Path):
     return m, raw
 
 
-def hf_config_dict(m) -> dict:
+def hf_config_dict(m: GlmDsaConfig) -> dict:
     """A `GlmMoeDsaForCausalLM` config.json for this model (transformers reads `indexer_types` as is)."""
     return {
         "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
@@ -242,3 +231,14 @@ def hf_config_dict(m) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta}, "num_nextn_predict_layers": 0,
         "dtype": m.dtype,
     }
+
+
+def tensor_name(key: str) -> str:
+    """A stored key under the name the table reads it by: the published checkpoints use
+    `GlmMoeDsaForCausalLM`'s own names (its MTP layer is set aside by `skipped_names`)."""
+    return key
+
+
+def config_is_decoder_only(raw: dict) -> bool:
+    """A `GlmMoeDsaForCausalLM` config.json describes the decoder (with its MTP layer): given back as is."""
+    return True

@@ -51,11 +51,12 @@ def build_and_load(cfg, par, hf, load, log_prefix):
     from longstraw_mcore.ops.dispatch import configure
 
     configure(cfg.ops)
-    model = get_family(cfg.model.family).build_model(cfg.model, par, cfg.resolved_device())
+    family = get_family(cfg.model.family)
+    model = family.build_model(cfg.model, par, cfg.resolved_device())
     if hf:
         from longstraw_mcore.checkpoint.convert import load_hf_into_model
 
-        skipped = load_hf_into_model(model, hf, expect=cfg.model)
+        skipped = load_hf_into_model(family, model, hf, expect=cfg.model)
         rank0_print(f"[{log_prefix}] loaded {hf} (converted in memory, this rank's shard only; skipped "
                     f"{len(skipped)} non-decoder tensors)")
     elif load:

@@ -13,6 +13,7 @@ import json
 
 from longstraw_mcore.commands.common import load_run_config
 from longstraw_mcore.config import ConfigError
+from longstraw_mcore.families import get_family
 
 
 def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float | None, efficiency: float) -> dict:
@@ -24,27 +25,27 @@ def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float 
     if not 0 < efficiency <= 1:
         raise ConfigError(f"--efficiency {efficiency}: must be in (0, 1] (the fraction of the bf16 peak reached)")
     dev = device_profile(device, device_gib)
-    per = plan_memory(cfg, P, R, G, gpus, cuda=True)  # the device profiles are GPUs
+    family = get_family(cfg.model.family)
+    per = plan_memory(family, cfg, P, R, G, gpus, cuda=True)  # the device profiles are GPUs
     total = sum(per.values())
     out = {"per_rank_bytes": per, "total_per_rank_bytes": total, "device_bytes": dev.memory_bytes,
            "fits": total <= dev.memory_bytes,
-           "max_prompt_len": max_prompt_len(cfg, R, G, gpus, dev.memory_bytes, cuda=True),
+           "max_prompt_len": max_prompt_len(family, cfg, R, G, gpus, dev.memory_bytes, cuda=True),
            "flops": None, "seconds": None,
-           "activations_by_phase_last_stage": phase_bytes(cfg, P, R, G, _last_stage(cfg), True),
+           "activations_by_phase_last_stage": phase_bytes(family, cfg, P, R, G, _last_stage(cfg), True),
            "inputs": {"family": cfg.model.family, "prompt_len": P, "response_len": R, "group_size": G, "gpus": gpus,
                       "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "cp": cfg.parallel.cp,
                                  "ep": cfg.parallel.ep, "dp": cfg.parallel.dp_for(gpus)},
                       "mode": cfg.replay.mode, "device": dev.name, "efficiency": efficiency}}
-    if cfg.model.family == "qwen3_5":
-        from longstraw_mcore.planner.flops import step_flops
+    from longstraw_mcore.planner.flops import step_flops
 
-        p = cfg.parallel
-        phases = step_flops(cfg.model, P, [R] * G, cfg.replay.mode, cfg.replay.chunk_len)["algorithm"]
-        # per rank: tp and pp split every phase; capture and the prompt backward are split over cp too
-        # (each CP rank its share of the prompt), branches run whole on every CP rank
-        split = {ph: p.tp * p.pp * (p.cp if ph != "replay" else 1) for ph in phases if ph != "total"}
-        out["flops"] = {ph: phases[ph] / split[ph] for ph in split}
-        out["seconds"] = {ph: f / (dev.bf16_flops * efficiency) for ph, f in out["flops"].items()}
+    p = cfg.parallel
+    phases = step_flops(family.layers, cfg.model, P, [R] * G, cfg.replay.mode, cfg.replay.chunk_len)["algorithm"]
+    # per rank: tp and pp split every phase; capture and the prompt backward are split over cp too
+    # (each CP rank its share of the prompt), branches run whole on every CP rank
+    split = {ph: p.tp * p.pp * (p.cp if ph != "replay" else 1) for ph in phases if ph != "total"}
+    out["flops"] = {ph: phases[ph] / split[ph] for ph in split}
+    out["seconds"] = {ph: f / (dev.bf16_flops * efficiency) for ph, f in out["flops"].items()}
     return out
 
 
@@ -62,12 +63,9 @@ def table(res: dict) -> str:
     lines += [f"| {k} | {v / gib:.2f} |" for k, v in res["per_rank_bytes"].items()]
     lines.append(f"| **total** | **{res['total_per_rank_bytes'] / gib:.2f}** of {res['device_bytes'] / gib:.2f} |")
     lines.append(f"fits: {'yes' if res['fits'] else 'NO'}; largest prompt that fits: {res['max_prompt_len']:,} tokens")
-    if res["flops"]:
-        lines.append("| phase | TFLOP per rank | seconds at {:.0%} of the bf16 peak |".format(i["efficiency"]))
-        lines.append("|---|---|---|")
-        lines += [f"| {ph} | {f / 1e12:,.1f} | {res['seconds'][ph]:,.1f} |" for ph, f in res["flops"].items()]
-    else:
-        lines.append(f"FLOPs: no analytic FLOP model for the {i['family']} family yet")
+    lines.append("| phase | TFLOP per rank | seconds at {:.0%} of the bf16 peak |".format(i["efficiency"]))
+    lines.append("|---|---|---|")
+    lines += [f"| {ph} | {f / 1e12:,.1f} | {res['seconds'][ph]:,.1f} |" for ph, f in res["flops"].items()]
     return "\n".join(lines)
 
 

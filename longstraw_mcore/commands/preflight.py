@@ -109,12 +109,13 @@ def check_fits(cfg, groups, world_size: int, force: bool, cmd: str) -> None:
     fit a rank's memory; `--force` runs it anyway with a warning. `validate` builds no optimizer."""
     import sys
 
+    from longstraw_mcore.families import get_family
     from longstraw_mcore.planner.memory import plan_memory
 
     P = max(len(g.prompt) for g in groups)
     R = max(len(r) for g in groups for r in g.responses)
     G = max(len(g.responses) for g in groups)
-    plan = plan_memory(cfg, P, R, G, world_size)
+    plan = plan_memory(get_family(cfg.model.family), cfg, P, R, G, world_size)
     if cmd == "validate":
         plan["optimizer"] = 0
     need = sum(plan.values())

@@ -24,7 +24,7 @@ def run(args) -> int:
     from longstraw_mcore.bench.memory import peak_bytes
     from longstraw_mcore.loss.logprobs import vocab_parallel_logprobs
     from longstraw_mcore.parallel.reduce import all_reduce_sum, count_parameters, grad_norm
-    from longstraw_mcore.pipeline import forward_backward
+    from longstraw_mcore.replay.pipeline import forward_backward
 
     m = cfg.model
     model = build_and_load(cfg, par, args.hf, args.load, "smoke")

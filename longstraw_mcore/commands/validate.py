@@ -13,6 +13,7 @@ from pathlib import Path
 from longstraw_mcore.commands.common import (build_and_load, launch_world_size, load_run_config, rank0_print,
                                              reference_model)
 from longstraw_mcore.commands.preflight import check_fits, check_groups, check_run
+from longstraw_mcore.families import get_family
 
 
 def run(args) -> int:
@@ -58,7 +59,7 @@ def run(args) -> int:
     ddp.zero_grad_buffer()
     results, seconds = {}, {}
     for i in mine:
-        st = process_group(ddp, groups[i], cfg.replay, cfg.grpo, par.tp, scale=par.dp / n, ref_model=ref, index=i)
+        st = process_group(ddp, groups[i], cfg.replay, cfg.grpo, scale=par.dp / n, ref_model=ref, index=i)
         results[i] = {"loss": st.loss, "logprobs": st.logprobs, "skipped": st.skipped, "state_bytes": st.state_bytes,
                       "ref_state_bytes": st.ref_state_bytes}
         for k, v in (st.seconds or {}).items():
@@ -76,7 +77,8 @@ def run(args) -> int:
     if args.dump_grads:
         from longstraw_mcore.checkpoint.convert import dump_hf_tensors
 
-        dump_hf_tensors(ddp.module, cfg.model, out / "grads.safetensors", grads=True, log=rank0_print)
+        dump_hf_tensors(get_family(cfg.model.family), ddp.module, cfg.model, out / "grads.safetensors", grads=True,
+                        log=rank0_print)
     if par.rank == 0:
         merged = {}
         for res, *_ in gathered:  # state bytes differ by rank (TP heads, CP shares, pipeline stages): the largest
@@ -112,7 +114,8 @@ def _layer_receipt(m, touched: dict) -> dict:
     (analytic, whole model, the model's dtype); GLM-5.x adds the IndexShare schedule."""
     from longstraw_mcore.prompt_state.containers import analytic_state_bytes
 
-    per_layer = [sum(analytic_state_bytes(m, 1, 1, layer_types=[t]).values()) for t in m.layer_types]
+    layers = get_family(m.family).layers
+    per_layer = [sum(analytic_state_bytes(layers, m, 1, 1, layer_types=[t]).values()) for t in m.layer_types]
     for entry, b in zip(touched["layers"], per_layer):
         entry["state_bytes_per_position"] = b
     out = dict(touched, state_bytes_per_position=sum(per_layer))
@@ -132,7 +135,7 @@ def _memory_receipt(cfg, groups, world: int, measured: list[int]) -> dict:
     P = max(len(g.prompt) for g in groups)
     R = max(len(r) for g in groups for r in g.responses)
     G = max(len(g.responses) for g in groups)
-    planned = plan_memory(cfg, P, R, G, world)
+    planned = plan_memory(get_family(cfg.model.family), cfg, P, R, G, world)
     planned["optimizer"] = 0
     planned["allocator_slack"] = 0
     total = sum(planned.values())

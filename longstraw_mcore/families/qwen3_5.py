@@ -1,32 +1,35 @@
 """The Qwen3.5 / Qwen3.6 hybrid family (Gated DeltaNet + gated full attention, `qwen3_5` in
-transformers): spec builder in models/qwen3_5.py, mapping table in checkpoint/qwen3_5.py, config
-reader in checkpoint/hf.py; full-attention layers keep K/V, Gated DeltaNet layers their recurrent state."""
+transformers), one file per concern: config/qwen3_5.py (dimensions, layouts), models/qwen3_5.py (the
+spec on Megatron-Core), checkpoint/qwen3_5.py (config.json and the mapping table); its layer types'
+records below: full-attention layers keep K/V, Gated DeltaNet layers their recurrent state."""
 
 from __future__ import annotations
 
-from longstraw_mcore.checkpoint import qwen3_5 as mapping
-from longstraw_mcore.families import Family
+from functools import partial
+
+from longstraw_mcore.checkpoint import qwen3_5 as checkpoint
+from longstraw_mcore.config import Qwen35Config
+from longstraw_mcore.families.record import Family
+from longstraw_mcore.planner.activations import attention_bytes, gdn_bytes, hybrid_layer_bytes, zero_centred_norm_bytes
+from longstraw_mcore.planner.flops_hybrid import GatedAttentionFlops, GatedDeltaNetFlops
 from longstraw_mcore.prompt_state.attention_kv import AttentionKV
 from longstraw_mcore.prompt_state.gdn import GDNRecurrentState
+from longstraw_mcore.prompt_state.kinds import LayerKind
+
+LAYERS = {
+    "full_attention": LayerKind(state=AttentionKV, activation_bytes=partial(hybrid_layer_bytes, attention_bytes),
+                                norm_bytes=zero_centred_norm_bytes, flops=GatedAttentionFlops()),
+    "linear_attention": LayerKind(state=GDNRecurrentState, activation_bytes=partial(hybrid_layer_bytes, gdn_bytes),
+                                  norm_bytes=zero_centred_norm_bytes, flops=GatedDeltaNetFlops()),
+}
 
 
-def _build_model(model_cfg, parallel, device):
-    from longstraw_mcore.models.qwen3_5 import build_model
+def build_model(model_cfg: Qwen35Config, parallel, device: str):
+    """This rank's part of the model (models/qwen3_5.py), with the family's layer records."""
+    from longstraw_mcore.models.qwen3_5 import build_model as build
 
-    return build_model(model_cfg, parallel, device)
-
-
-def _read_hf_config(path):
-    from longstraw_mcore.checkpoint.hf import read_config
-
-    return read_config(path)
+    return build(model_cfg, parallel, device, LAYERS)
 
 
-FAMILY = Family(
-    name="qwen3_5",
-    build_model=_build_model,
-    read_hf_config=_read_hf_config,
-    mapping=mapping,
-    architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-    state_kinds={"full_attention": AttentionKV, "linear_attention": GDNRecurrentState},
-)
+FAMILY = Family(name="qwen3_5", config=Qwen35Config, build_model=build_model, checkpoint=checkpoint,
+                architectures=checkpoint.ARCHITECTURES, layers=LAYERS)

@@ -1,16 +1,19 @@
 """The small interface the replay engine reaches a model through (and nothing else of it).
 
-    state_layers()                       {local layer number: layer type} of this stage
-    forward_hidden(input_ids, state)     decoder output [S, B, Hd] under a prompt-state context
+    state_kinds()                        {local layer number: its family's LayerKind} of this stage
+                                         (prompt_state/kinds.py; the containers allocate from them)
+    kv_group                             this rank's KV group (tensor parallelism beyond the state's
+                                         heads: parallel/kv_group.py), or None
+    forward_hidden(input_ids, state)     decoder output [T, B, Hd] under a prompt-state context
     forward_state(input_ids, state)      exact mode's recompute of a prompt chunk: this stage's
                                          layers; on the last stage the last layer only as far as
                                          its state (its output feeds nothing), returning None
-    token_logprobs(hidden, targets, n)   per-token log-probs [B, S] (vocab-parallel, n tokens at a time,
+    token_logprobs(hidden, targets, n)   per-token log-probs [B, T] (vocab-parallel, n tokens at a time,
                                          padded vocabulary entries masked out)
     tp_size                              tensor-parallel size of the state
     cp_group                             the context-parallel group (Megatron's LanguageModule sets it)
 
-Mixed into each family's model class; the model family's mixers provide `produce_state`.
+Mixed into models/language_model.py's model class; the family's mixers provide `produce_state`.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from longstraw_mcore.loss.logprobs import token_logprobs
 
 
 class ReplayModelMixin:
-    def state_layers(self) -> dict[int, str]:
+    def state_kinds(self) -> dict:
         types = self.model_cfg.layer_types
-        return {layer.layer_number: types[layer.layer_number - 1] for layer in self.decoder.layers}
+        return {layer.layer_number: self.layer_kinds[types[layer.layer_number - 1]] for layer in self.decoder.layers}
 
     @property
     def tp_size(self) -> int:

@@ -15,14 +15,16 @@ Capture needs no merge: one causal call over the state buffer.
 
 The partial kernels are `ops/block_attention.py` (plain torch: the CPU path and the reference for any
 fused kernel) and `ops/flash_attention.py` (torch's flash ops, CUDA bf16/fp16), chosen per call by
-`_kernel()` (ops/dispatch.py) without touching callers.
+`kernel()` (ops/dispatch.py) without touching callers; the merge maths is ops/attention_merge.py.
+`block_attention` / `merge_attention` compose one key set's (out, lse) by hand with plain autograd
+(tests, and what a merge across ranks builds on).
 
 `cached_causal_attention` materialises the full score matrix against concatenated keys: simple and
 obviously right, it is what the blockwise kernels are tested against (tests/unit/test_block_attention.py).
 `rope_cos_sin` / `apply_partial_rope` are re-exported from ops/rope.py.
 
-Legend: B batch, T new tokens, P cached (earlier) positions, Hq query heads, Hk key/value heads,
-D head dim. Scores and softmax run in at least float32 (float64 under float64).
+Shapes (package legend): T queries, S keys of a set, P cached (earlier) positions. Scores and softmax
+run in at least float32 (float64 under float64).
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-from longstraw_mcore.ops import block_attention as plain
+from longstraw_mcore.ops import dispatch
+from longstraw_mcore.ops.attention_merge import backward_terms, merge_partials, unpack_saved, work_dtype
 from longstraw_mcore.ops.rope import apply_partial_rope, rope_cos_sin
 
-__all__ = ["KeySet", "attention", "cached_causal_attention", "apply_partial_rope", "rope_cos_sin"]
+__all__ = ["KeySet", "attention", "block_attention", "merge_attention", "cached_causal_attention", "kernel",
+           "apply_partial_rope", "rope_cos_sin"]
 
 
 @dataclass
@@ -59,26 +63,24 @@ class KeySet:
         assert self.k.dim() == 4 and self.k.shape[:3] == self.v.shape[:3], (self.k.shape, self.v.shape)
 
 
-def _kernel(q: torch.Tensor):
+def kernel(q: torch.Tensor):
     """The partial kernels for these queries (ops/dispatch.py: flash on CUDA bf16/fp16, the plain twin
     elsewhere, `ops.attention` overrides)."""
-    from longstraw_mcore.ops.dispatch import attention_kernel
-
-    return attention_kernel(q)
+    return dispatch.attention_kernel(q)
 
 
 class _MergedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, cfg, *kv):
         q_start, scale, block, sets = cfg  # sets: ((start, grad, store, grad_scale), ...) per key set
-        kern = _kernel(q)
+        kern = kernel(q)
         outs, lses, kept = [], [], []
         for j, (start, _, store, _) in enumerate(sets):
             o, lse, kp = kern.partial_forward(q, kv[2 * j], kv[2 * j + 1], q_start, start, scale, block, store)
             outs.append(o)
             lses.append(lse)
             kept.append(kp)
-        out, lse = plain.merge_partials(list(zip(outs, lses)), None, plain.work_dtype(q.dtype), q.device)
+        out, lse = merge_partials(list(zip(outs, lses)), None, work_dtype(q.dtype), q.device)
         out = out.transpose(1, 2).to(q.dtype)                                     # [B,T,Hq,Dv]
         lse = lse.transpose(1, 2).contiguous()                                    # [B,T,Hq]
         # Stored probabilities are saved tensors too: freed by the backward unless retain_graph.
@@ -91,10 +93,10 @@ class _MergedAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q_start, scale, block, sets = ctx.cfg
         n = len(sets)
-        q, kv, out, lse, flat = plain.unpack_saved(ctx.saved_tensors, n)
-        work = plain.work_dtype(q.dtype)
-        do, delta, lse_h = plain.backward_terms(dout, dlse, out, lse, work)                 # [B,Hq,T,*]
-        kern = _kernel(q)
+        q, kv, out, lse, flat = unpack_saved(ctx.saved_tensors, n)
+        work = work_dtype(q.dtype)
+        do, delta, lse_h = backward_terms(dout, dlse, out, lse, work)                 # [B,Hq,T,*]
+        kern = kernel(q)
         need_q = ctx.needs_input_grad[0]
         dq = None
         grads = []
@@ -131,6 +133,31 @@ def attention(q: torch.Tensor, key_sets: list[KeySet], q_start: int, scale: floa
     sets = tuple((int(ks.start), ks.grad, bool(ks.store_probs) and store, float(ks.grad_scale)) for ks in key_sets)
     kv = [t for ks in key_sets for t in (ks.k, ks.v)]
     return _MergedAttention.apply(q, (int(q_start), scale, int(block), sets), *kv)
+
+
+def block_attention(q, k, v, q_start: int, k_start: int, scale: float | None = None, block: int = 1024,
+                    store_probs: bool = False):
+    """(out [B,T,Hq,D], lse [B,T,Hq]) of q against one key set k/v [B,S,Hk,D]; both differentiable.
+
+    Rows that see no key get out = 0 and lse = -inf (they drop out of `merge_attention`)."""
+    return attention(q, [KeySet(k, v, k_start, store_probs=store_probs)], q_start, scale=scale, block=block)
+
+
+def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Softmax over the union of key sets from per-set (out [B,T,H,D], lse [B,T,H]), by plain autograd.
+
+    The composable form (each part its own autograd node, lse differentiable): what a merge across
+    ranks builds on. Within one rank `attention` merges in one node instead."""
+    if len(parts) == 1:
+        return parts[0][0]
+    lses = torch.stack([lse for _, lse in parts])                                # [n,B,T,H]
+    total = torch.logsumexp(lses, dim=0)
+    total_safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    out = 0
+    for o, lse in parts:
+        w = torch.exp(lse - total_safe)
+        out = out + o * w[..., None].to(o.dtype)
+    return out
 
 
 def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

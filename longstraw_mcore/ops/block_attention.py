@@ -1,8 +1,8 @@
 """Plain-torch blockwise attention kernels: one key set's forward partial and its backward given the
 *merged* output and log-sum-exp (FlashAttention-2's algorithm without a fused kernel).
 
-Legend: B batch, T queries, S keys, Hq query heads, Hk key/value heads (GQA: Hq/Hk queries per key
-head), D head dim, b key/query block. Positions are absolute: query i sits at `q_start + i`, key j at
+Shapes in the package legend (longstraw_mcore/__init__.py): T queries, S keys (GQA: Hq/Hk queries per
+key head), b the key/query block. Positions are absolute: query i sits at `q_start + i`, key j at
 `k_start + j`; key j is visible to query i iff `k_start + j <= q_start + i`.
 
 `partial_forward` walks query blocks and, inside each, the key blocks it can see with an online
@@ -20,46 +20,15 @@ block by block into those (>= float32) accumulators instead of being returned, s
 gradient temporary exists. Key sets with batch 1 serve every query batch row (their gradient is
 summed over the batch).
 
-`block_attention` / `merge_attention` compose partials by hand (tests, and collectives that merge
-partials across ranks); models call the single entry point `ops.attention.attention`.
+Models call the single entry point `ops.attention.attention`, which merges the partials of several
+key sets (ops/attention_merge.py holds the merge maths).
 """
 
 from __future__ import annotations
 
 import torch
 
-
-def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def backward_terms(dout, dlse, out, lse, work):
-    """(dO [B,H,T,Dv], delta [B,H,T], lse [B,H,T]) in the work dtype from an attention node's saved
-    out [B,T,H,Dv] / lse [B,T,H] and incoming gradients: delta = rowsum(dO * O) - dlse."""
-    do = (torch.zeros_like(out) if dout is None else dout).to(work).transpose(1, 2)
-    delta = (do * out.to(work).transpose(1, 2)).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.to(work).transpose(1, 2)
-    return do, delta, lse.to(work).transpose(1, 2)
-
-
-def unpack_saved(saved, n: int):
-    """What a merged-attention node saved for `n` key sets: (q, the 2n key/value tensors, out, lse,
-    whatever it saved after them)."""
-    return saved[0], saved[1:1 + 2 * n], saved[1 + 2 * n], saved[2 + 2 * n], saved[3 + 2 * n:]
-
-
-def merge_partials(parts, shape, work, device):
-    """One softmax over several key sets from their partials (O_j [B,H,T,Dv], lse_j [B,H,T], work dtype),
-    no autograd: (O, lse); rows that see no key: O = 0, lse = -inf. `shape` is O's, for no parts."""
-    if not parts:
-        return (torch.zeros(shape, dtype=work, device=device),
-                torch.full(shape[:3], float("-inf"), dtype=work, device=device))
-    if len(parts) == 1:
-        return parts[0]
-    lse = torch.logsumexp(torch.stack([l for _, l in parts]), 0)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return sum(o * torch.exp(l - safe)[..., None] for o, l in parts), lse
+from longstraw_mcore.ops.attention_merge import work_dtype
 
 
 def _mask(T: int, nb: int, q_start: int, k0: int, device) -> torch.Tensor | None:
@@ -181,30 +150,3 @@ def partial_backward(q, k, v, do, delta, lse, q_start: int, k_start: int, scale:
             else:
                 sink[1][:, s0:s1] += g.transpose(1, 2) * sink_scale if sink_scale != 1.0 else g.transpose(1, 2)
     return dq, dk, dv
-
-
-def block_attention(q, k, v, q_start: int, k_start: int, scale: float | None = None, block: int = 1024,
-                    store_probs: bool = False):
-    """(out [B,T,Hq,D], lse [B,T,Hq]) of q against one key set k/v [B,S,Hk,D]; both differentiable.
-
-    Rows that see no key get out = 0 and lse = -inf (they drop out of `merge_attention`)."""
-    from longstraw_mcore.ops.attention import KeySet, attention
-
-    return attention(q, [KeySet(k, v, k_start, store_probs=store_probs)], q_start, scale=scale, block=block)
-
-
-def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Softmax over the union of key sets from per-set (out [B,T,H,D], lse [B,T,H]), by plain autograd.
-
-    The composable form (each part its own autograd node, lse differentiable): what a merge across
-    ranks builds on. Within one rank `ops.attention.attention` merges in one node instead."""
-    if len(parts) == 1:
-        return parts[0][0]
-    lses = torch.stack([lse for _, lse in parts])                                # [n,B,T,H]
-    total = torch.logsumexp(lses, dim=0)
-    total_safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
-    out = 0
-    for o, lse in parts:
-        w = torch.exp(lse - total_safe)
-        out = out + o * w[..., None].to(o.dtype)
-    return out

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from longstraw_mcore.ops import block_attention as plain
+from longstraw_mcore.ops.attention_merge import work_dtype
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -102,7 +103,7 @@ def _layout(q, k, v, q_start, k_start):
 def partial_forward(q, k, v, q_start: int, k_start: int, scale: float, block: int, store: bool):
     """block_attention.partial_forward's contract: (out [B,Hq,T,Dv] float32, lse [B,Hq,T] float32, None)."""
     B, T, Hq, _ = q.shape
-    work = plain.work_dtype(q.dtype)
+    work = work_dtype(q.dtype)
     s_vis, causal, fold, qx, kx, vx = _layout(q, k, v, q_start, k_start)
     if s_vis == 0:
         return (torch.zeros(B, Hq, T, v.shape[-1], dtype=work, device=q.device),
@@ -123,7 +124,7 @@ def partial_backward(q, k, v, do, delta, lse, q_start: int, k_start: int, scale:
     merged one): (dq [B,Hq,T,D] or None, dk, dv [Bk,Hk,S,*] or None; with `sink` dK/dV added there)."""
     B, T, Hq, D = q.shape
     Bk, S, Hk = k.shape[:3]
-    work = plain.work_dtype(q.dtype)
+    work = work_dtype(q.dtype)
     norm2 = (do * do).sum(-1)
     if bool(((norm2 == 0) & (delta != 0)).any()):  # delta not expressible through O': the plain kernel
         return plain.partial_backward(q, k, v, do, delta, lse, q_start, k_start, scale, block, None,

@@ -30,41 +30,25 @@ holds 1/n of the state and sees every query).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from longstraw_mcore.ops.attention import KeySet, _kernel
-from longstraw_mcore.ops.block_attention import backward_terms, merge_partials, unpack_saved, work_dtype
+from longstraw_mcore.ops.attention import KeySet, kernel
+from longstraw_mcore.ops.attention_merge import backward_terms, merge_partials, unpack_saved, work_dtype
 from longstraw_mcore.parallel.cp import CPLayout, rank_pieces
-from longstraw_mcore.parallel.cp_comm import all_reduce_sum, gather_tokens, local_rows
-
-
-def _merge_ranks(o, lse, layout):
-    """The softmax over every rank's keys from each rank's (O_r, lse_r), on every rank of `layout.group`
-    (a CPLayout, or a KV group)."""
-    m = lse.clone()
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=layout.group)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    w = torch.exp(lse - m)
-    den = all_reduce_sum(w.clone(), layout)
-    num = all_reduce_sum(o * w[..., None], layout)
-    empty = den == 0
-    one = torch.ones_like(den)
-    out = num / torch.where(empty, one, den)[..., None]
-    return out, torch.where(empty, torch.full_like(den, float("-inf")), m + torch.log(torch.where(empty, one, den)))
+from longstraw_mcore.parallel.cp_comm import all_reduce_sum, gather_tokens, local_rows, merge_ranks
 
 
 class _ReplayAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, cfg, *kv):
         q_start, scale, block, layout, sets = cfg  # sets: (start, sink, sink_scale, shared) per key set
-        kern = _kernel(q)
+        kern = kernel(q)
         work = work_dtype(q.dtype)
         B, T, Hq, _ = q.shape
         active = [j for j, (_, _, _, shared) in enumerate(sets) if not shared or layout.rank == 0]
         parts = [kern.partial_forward(q, kv[2 * j], kv[2 * j + 1], q_start, sets[j][0], scale, block, False)[:2]
                  for j in active]
         o, lse = merge_partials(parts, (B, Hq, T, kv[1].shape[-1]), work, q.device)
-        out, lse = _merge_ranks(o, lse, layout)
+        out, lse = merge_ranks(o, lse, layout)
         out = out.transpose(1, 2).to(q.dtype)
         lse = lse.transpose(1, 2).contiguous()
         ctx.save_for_backward(q, *kv, out, lse)
@@ -78,7 +62,7 @@ class _ReplayAttention(torch.autograd.Function):
         q, kv, out, lse, _ = unpack_saved(ctx.saved_tensors, n)
         work = work_dtype(q.dtype)
         do, delta, lse_h = backward_terms(dout, dlse, out, lse, work)
-        kern = _kernel(q)
+        kern = kernel(q)
         dq = torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=work, device=q.device)
         grads = [None] * (2 * n)
         for j in ctx.active:
@@ -117,7 +101,7 @@ class _ChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg, *prior):
         s0, T, scale, block, layout, prior_cfg = cfg
-        kern = _kernel(q)
+        kern = kernel(q)
         work = work_dtype(q.dtype)
         Qf, Kf, Vf = (gather_tokens(x, layout, T) for x in (q, k, v))
         B, _, Hq, _ = Qf.shape
@@ -133,7 +117,7 @@ class _ChunkAttention(torch.autograd.Function):
                 own_o[:, :, a:b], own_lse[:, :, a:b] = o, l
         parts.append((own_o, own_lse))
         o, lse = merge_partials(parts, (B, Hq, T, Dv), work, q.device)
-        O, LSE = _merge_ranks(o, lse, layout)                                    # [B,Hq,T,*], every row
+        O, LSE = merge_ranks(o, lse, layout)                                    # [B,Hq,T,*], every row
         ctx.save_for_backward(q, k, v, O, LSE, *prior)
         ctx.cfg = cfg
         out = local_rows(O.transpose(1, 2), layout, T).to(q.dtype)
@@ -143,7 +127,7 @@ class _ChunkAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         s0, T, scale, block, layout, prior_cfg = ctx.cfg
         q, k, v, O, LSE, *prior = ctx.saved_tensors
-        kern = _kernel(q)
+        kern = kernel(q)
         work = work_dtype(q.dtype)
         O_loc = local_rows(O.transpose(1, 2), layout, T)                          # [B,S_r,Hq,Dv] work
         do_loc = (torch.zeros_like(O_loc) if dout is None else dout.to(work))

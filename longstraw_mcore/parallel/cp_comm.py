@@ -1,6 +1,6 @@
 """The collectives of context parallelism, plain torch.distributed (gloo on CPU, NCCL on CUDA).
 
-Tensors are [B, S, H, ...] (batch, tokens, heads). A rank holds its zig-zag pieces of a chunk of T
+Tensors are [B, T, H, ...] (batch, tokens, heads; package legend). A rank holds its zig-zag pieces of a chunk of T
 tokens (parallel/cp.py); ranks' piece counts differ by at most one per piece, so gathers pad to the
 largest and trim.
 
@@ -8,6 +8,7 @@ largest and trim.
     local_rows(x)                     -> this rank's rows of a full-chunk tensor
     SeqToHeads(x_local)   (autograd)  -> the whole chunk, this rank's 1/n of the heads
     HeadsToSeq(x_heads)   (autograd)  -> this rank's tokens, all heads
+    merge_ranks(O_r, lse_r)           -> the softmax over every rank's keys, on every rank (no autograd)
 SeqToHeads and HeadsToSeq are each other's backward: a gradient with respect to a head shard of the
 whole chunk goes back to the tokens' owners for every head, and vice versa. Both use all-gathers
 (the padded token gather, and an all-gather over the head dimension); an all-to-all would move 1/n
@@ -60,7 +61,7 @@ def gather_dim(x: torch.Tensor, layout, dim: int = 2) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
-def _own_heads(x: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+def own_heads(x: torch.Tensor, layout: CPLayout) -> torch.Tensor:
     h = x.shape[2] // layout.size
     return x[:, :, layout.rank * h:(layout.rank + 1) * h]
 
@@ -72,7 +73,7 @@ class SeqToHeads(torch.autograd.Function):
     def forward(ctx, x, layout: CPLayout, T: int):
         assert x.shape[2] % layout.size == 0, (x.shape, layout.size)
         ctx.layout, ctx.T = layout, T
-        return _own_heads(gather_tokens(x, layout, T), layout).contiguous()
+        return own_heads(gather_tokens(x, layout, T), layout).contiguous()
 
     @staticmethod
     def backward(ctx, g):
@@ -89,4 +90,19 @@ class HeadsToSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _own_heads(gather_tokens(g, ctx.layout, ctx.T), ctx.layout).contiguous(), None, None
+        return own_heads(gather_tokens(g, ctx.layout, ctx.T), ctx.layout).contiguous(), None, None
+
+
+def merge_ranks(o, lse, layout):
+    """The softmax over every rank's keys from each rank's (O_r, lse_r), on every rank of `layout.group`
+    (a CPLayout, or a KV group)."""
+    m = lse.clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=layout.group)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse - m)
+    den = all_reduce_sum(w.clone(), layout)
+    num = all_reduce_sum(o * w[..., None], layout)
+    empty = den == 0
+    one = torch.ones_like(den)
+    out = num / torch.where(empty, one, den)[..., None]
+    return out, torch.where(empty, torch.full_like(den, float("-inf")), m + torch.log(torch.where(empty, one, den)))

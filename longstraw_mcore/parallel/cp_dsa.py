@@ -9,9 +9,10 @@ keeps its heads), merged over the group, and each rank keeps its heads (`LocalHe
 the heads' gradients, so every rank holds the whole output gradient, as the merge's identity backward
 requires).
 
-Legend: n CP ranks, k index_topk, S queries, R kv_lora_rank. Each rank holds its keys (its shard of
-the prompt state; in a capture / recompute chunk also its zig-zag pieces of the chunk's keys; in a
-replayed branch the branch's own keys, counted on rank 0 only) with their global positions.
+Shapes (package legend): n ranks of a level, k index_topk, T queries, S keys, R kv_lora_rank. Each
+rank holds its keys (its shard of the prompt state; in a capture / recompute chunk also its zig-zag
+pieces of the chunk's keys; in a replayed branch the branch's own keys, counted on rank 0 only) with
+their global positions.
 
     selection   every rank scores the queries against its keys and proposes its top k as
                 (score, position); the n k proposals are all-gathered and every rank takes the best k
@@ -27,6 +28,10 @@ the partial attention) are replicated in a replayed branch: their gradient is su
 over ranks and returns each owner its rows) and the merged output split back (`LocalRows`: backward
 gathers the rows' gradients), so each rank's parameter gradients cover its own tokens, as for the
 hybrid family's chunks (prompt_state/contexts.py).
+
+`attend_latent_sharded` is the whole layer-side computation behind the contexts' `attend_latent` hook
+(prompt_state/hooks.py) when the state is sharded: the mixer hands over its queries and never sees
+the layout.
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from longstraw_mcore.ops.dsa import mla_sparse_partial
+from longstraw_mcore.ops.dsa import indexer_topk, mla_sparse_partial
 from longstraw_mcore.parallel.cp import CPLayout
-from longstraw_mcore.parallel.cp_comm import _own_heads, all_reduce_sum, gather_dim, gather_tokens, local_rows
+from longstraw_mcore.parallel.cp_comm import all_reduce_sum, gather_dim, gather_tokens, local_rows, own_heads
 
 
 class GatherTokens(torch.autograd.Function):
@@ -76,7 +81,7 @@ class GatherHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _own_heads(all_reduce_sum(g.clone(), ctx.grp), ctx.grp).contiguous(), None
+        return own_heads(all_reduce_sum(g.clone(), ctx.grp), ctx.grp).contiguous(), None
 
 
 class LocalHeads(torch.autograd.Function):
@@ -85,7 +90,7 @@ class LocalHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.grp = group
-        return _own_heads(x, group).contiguous()
+        return own_heads(x, group).contiguous()
 
     @staticmethod
     def backward(ctx, g):
@@ -93,13 +98,13 @@ class LocalHeads(torch.autograd.Function):
 
 
 def cp_select(vals: torch.Tensor, pos: torch.Tensor, k: int, layout):
-    """This rank's proposals (scores [B, S, k_r] of its best keys, -inf invalid; their global positions)
-    -> (positions [B, S, k], scores [B, S, k], -inf invalid): the top-k over the ranks of `layout` (a
+    """This rank's proposals (scores [B, T, k_r] of its best keys, -inf invalid; their global positions)
+    -> (positions [B, T, k], scores [B, T, k], -inf invalid): the top-k over the ranks of `layout` (a
     CPLayout or a TP group), the same on every rank; applied level by level it gives the global top-k."""
-    B, S, kl = vals.shape
+    B, T, kl = vals.shape
     if kl < k:  # pad every rank's proposal to k (padding is invalid)
-        vals = torch.cat([vals, vals.new_full((B, S, k - kl), float("-inf"))], -1)
-        pos = torch.cat([pos, pos.new_zeros((B, S, k - kl))], -1)
+        vals = torch.cat([vals, vals.new_full((B, T, k - kl), float("-inf"))], -1)
+        pos = torch.cat([pos, pos.new_zeros((B, T, k - kl))], -1)
     every_v = [torch.empty_like(vals) for _ in range(layout.size)]
     every_p = [torch.empty_like(pos) for _ in range(layout.size)]
     dist.all_gather(every_v, vals.contiguous(), group=layout.group)
@@ -114,7 +119,7 @@ def cp_select(vals: torch.Tensor, pos: torch.Tensor, k: int, layout):
 
 
 def lse_merge(o: torch.Tensor, lse: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partials (o [B, S, H, R], lse [B, S, H]) of each rank of `group` over its keys -> the softmax over
+    """Partials (o [B, T, H, R], lse [B, T, H]) of each rank of `group` over its keys -> the softmax over
     all of them, and its lse, on every rank. Backward is the identity (every rank holds the whole
     gradient of the merged output): each rank's partial then gets exactly its share."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce_sum
@@ -136,8 +141,8 @@ def lse_merge(o: torch.Tensor, lse: torch.Tensor, group) -> tuple[torch.Tensor, 
 def sharded_mla_sparse(q_nope, q_pe, c_kv, k_pe, key_pos, counted, w_uk, sel_pos, valid, scale: float,
                        levels: list) -> torch.Tensor:
     """The sparse MLA of every query over the selected keys, each rank over those it holds (`counted`
-    [T_r] bool: the rows it counts; None = all), merged over `levels` (groups, innermost first): the
-    attention output in latent space [B, S, H, R], the same on every rank of the groups (the caller
+    [S_r] bool: the rows it counts; None = all), merged over `levels` (groups, innermost first): the
+    attention output in latent space [B, T, H, R], the same on every rank of the groups (the caller
     applies W_UV: on its own rows and heads, so that W_UV's gradient covers each once)."""
     size = int(key_pos.max()) + 1 if key_pos.numel() else 1
     lookup = torch.full((size + 1,), -1, dtype=torch.long, device=key_pos.device)
@@ -153,3 +158,51 @@ def sharded_mla_sparse(q_nope, q_pe, c_kv, k_pe, key_pos, counted, w_uk, sel_pos
     for group in levels:
         o, lse = lse_merge(o, lse, group)
     return o
+
+
+def attend_latent_sharded(query, keys, own, tp_group, kv, layout: CPLayout | None, chunk: tuple[int, int] | None):
+    """The `attend_latent` hook over a prompt state sharded by sequence: over the TP group (`kv`: its
+    stripes) and/or the CP ranks (`layout`). `query`: the layer's `LatentQuery` (this rank's rows and
+    heads), `keys` / `own`: `MLAKeys` (this rank's keys; the call's own latents); `chunk`: (T, s0) when
+    the call's tokens are this CP rank's zig-zag rows of a chunk (gathered to the whole chunk here),
+    None for a branch, whole on every CP rank. Inside the TP group every rank takes every head's
+    queries and keeps its heads' output. Returns (out [B, T_r, h, Dv], the selection: global positions,
+    valid) for this rank's rows and heads."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region as copy_to
+
+    levels = [g for g in (kv, layout) if g is not None]
+    q_nope, q_pe, w_uk, q_pos = query.q_nope, query.q_pe, query.w_uk, query.pos
+    if chunk is not None:  # this rank's rows of a chunk -> the whole chunk
+        T, s0 = chunk
+        q_nope, q_pe = GatherTokens.apply(q_nope, layout, T), GatherTokens.apply(q_pe, layout, T)
+        q_pos = s0 + torch.arange(T, device=q_pos.device)
+    elif layout is not None:  # replicated queries and W_UK in a per-rank partial: gradients sum over CP
+        q_nope, q_pe, w_uk = (copy_to(t, group=layout.group) for t in (q_nope, q_pe, w_uk))
+    if kv is not None:  # every head's queries against this TP rank's stripe of the keys
+        q_nope, q_pe = GatherHeads.apply(q_nope, kv), GatherHeads.apply(q_pe, kv)
+        w_uk = GatherHeads.apply(w_uk[None, None], kv)[0, 0]
+    selection = query.selection
+    if query.index is not None:
+        with torch.no_grad():
+            qi, wi = query.index
+            if chunk is not None:
+                qi, wi = gather_tokens(qi, layout, chunk[0]), gather_tokens(wi, layout, chunk[0])
+            kr, vals = indexer_topk(qi, keys.ik, wi, q_pos, keys.pos, query.topk, query.block, keys.counted)
+            sel = keys.pos[kr]
+            for g in levels:
+                sel, vals = cp_select(vals, sel, query.topk, g)
+            selection = (sel, vals > float("-inf"))
+    sel, valid = selection
+    c, k_pe = keys.c, keys.pe
+    if kv is not None and torch.is_grad_enabled():
+        # the call's own latents are computed on every TP rank: their gradient sums over the group
+        # (the state rows are each rank's own stripe: theirs stays local)
+        n = own.c.shape[1]
+        c = torch.cat([c[:, :-n], copy_to(c[:, -n:], group=tp_group)], 1)
+        k_pe = torch.cat([k_pe[:, :-n], copy_to(k_pe[:, -n:], group=tp_group)], 1)
+    o_lat = sharded_mla_sparse(q_nope, q_pe, c, k_pe, keys.pos, keys.counted, w_uk, sel, valid, query.scale, levels)
+    if kv is not None:
+        o_lat = LocalHeads.apply(o_lat, kv)
+    if chunk is not None:
+        o_lat = LocalRows.apply(o_lat, layout, chunk[0])
+    return torch.einsum("bshr,hvr->bshv", o_lat, query.w_uv), selection

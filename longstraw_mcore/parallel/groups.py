@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from longstraw_mcore import cpu_compat
 from longstraw_mcore.config import RunConfig
+from longstraw_mcore.parallel.kv_group import new_kv_groups
 
 
 @dataclass
@@ -31,8 +32,11 @@ class Parallel:
     dp: int
     rank: int
     world_size: int
-    stage_layers: list | None = None  # decoder layers per pipeline stage (ParallelConfig.stage_layers)
+    stage_layers: list  # decoder layers per pipeline stage (ParallelConfig.stage_layers)
     ep: int = 1  # expert parallel size (carved out of dp, as Megatron does)
+    tp_kv: object = None
+    """This rank's KV group (parallel/kv_group.py) when tp exceeds the heads the prompt state is split by
+    (`model.state_heads`: Qwen's KV heads; one for GLM's latent, so the whole TP group at tp > 1)."""
 
     @property
     def tp_rank(self) -> int:
@@ -102,14 +106,11 @@ def setup_parallel(cfg: RunConfig) -> Parallel:
     torch.manual_seed(cfg.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
-    # tp > KV heads: the TP ranks sharing a KV head form a KV group (parallel/kv_group.py)
-    from longstraw_mcore.parallel.kv_group import new_kv_groups
-
-    # (MLA, GLM-5.x: one latent serves every head, so the whole TP group is one KV group)
-    pgs.tp_kv = new_kv_groups(pgs.tp, getattr(cfg.model, "num_key_value_heads", 1))
+    # tp > the state's heads: the TP ranks sharing one head form a KV group (parallel/kv_group.py)
+    tp_kv = new_kv_groups(pgs.tp, cfg.model.state_heads)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     return Parallel(pgs=pgs, device=dev, tp=p.tp, pp=p.pp, cp=p.cp, dp=dp, rank=dist.get_rank(), world_size=world,
-                    stage_layers=stages, ep=p.ep)
+                    stage_layers=stages, ep=p.ep, tp_kv=tp_kv)
 
 
 def teardown() -> None:

@@ -35,11 +35,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from longstraw_mcore.ops.attention import KeySet, _kernel
-from longstraw_mcore.ops.block_attention import backward_terms, merge_partials, unpack_saved, work_dtype
+from longstraw_mcore.ops.attention import KeySet, kernel
+from longstraw_mcore.ops.attention_merge import backward_terms, merge_partials, unpack_saved, work_dtype
 from longstraw_mcore.ops.scale_grad import scale_grad
-from longstraw_mcore.parallel.cp_attention import _merge_ranks
-from longstraw_mcore.parallel.cp_comm import all_reduce_sum, gather_dim
+from longstraw_mcore.parallel.cp_comm import all_reduce_sum, gather_dim, merge_ranks
 
 
 @dataclass(frozen=True)
@@ -107,7 +106,7 @@ class _GroupAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, cfg, *kv_t):
         q_start, scale, block, kv, sets = cfg  # sets: (start, sink, sink_scale, replicated) per key set
-        kern = _kernel(q)
+        kern = kernel(q)
         work = work_dtype(q.dtype)
         B, T, h, _ = q.shape
         H = h * kv.size
@@ -129,7 +128,7 @@ class _GroupAttention(torch.autograd.Function):
         parts.append((own_o, own_lse))
         o, lse = merge_partials(parts, (B, H, T, Dv), work, q.device)
         if shard:  # merge the group's partials of every head
-            o, lse = _merge_ranks(o, lse, kv)
+            o, lse = merge_ranks(o, lse, kv)
         out = o[:, sl].transpose(1, 2).to(q.dtype)
         lse_own = lse[:, sl].transpose(1, 2).contiguous()
         ctx.save_for_backward(q, *kv_t, out, lse_own)
@@ -141,7 +140,7 @@ class _GroupAttention(torch.autograd.Function):
         q_start, scale, block, kv, sets = ctx.cfg
         n = len(sets)
         q, kv_t, out, lse, _ = unpack_saved(ctx.saved_tensors, n)
-        kern = _kernel(q)
+        kern = kernel(q)
         work = work_dtype(q.dtype)
         do, delta, lse_h = backward_terms(dout, dlse, out, lse, work)                        # [B,h,T,*]
         dq = torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=work, device=q.device)

@@ -1,5 +1,7 @@
 """Bytes autograd keeps for the backward of T tokens through one layer, as this code computes it (the
 plain-torch twins: ops/gated_delta.py, ops/attention.py, the Megatron projections), per TP rank.
+Each family's layer records (prompt_state/kinds.py, families/) name their composition: Qwen's
+`hybrid_layer_bytes` over its mixer's term, GLM's `glm_layer_bytes`; `layer_bytes` reads the record.
 
 Derived tensor by tensor from what the forward saves (checked against `saved_tensors_hooks` counts
 in tests/unit/test_planner_activations.py), so the terms follow the code: when an op changes, its
@@ -32,12 +34,14 @@ def _elem(dtype: str) -> int:
     return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}[dtype]
 
 
-def norm_bytes(hidden: int, e: int, family: str = "qwen3_5") -> int:
-    """Per token. Qwen's zero-centred RMSNorm keeps its input, a float32 copy below float32 and the
-    output; GLM's keeps the float32 copy (the input itself at float32 and above) and the output."""
+def zero_centred_norm_bytes(hidden: int, e: int) -> int:
+    """Per token: Qwen's zero-centred RMSNorm keeps its input, a float32 copy below float32 and the output."""
+    return hidden * (2 * e + (4 if e < 4 else 0)) + 4
+
+
+def rms_norm_bytes(hidden: int, e: int) -> int:
+    """Per token: GLM's RMSNorm keeps the float32 copy (the input itself at float32 and above) and the output."""
     w = max(4, e)
-    if family == "qwen3_5":
-        return hidden * (2 * e + (4 if e < 4 else 0)) + 4
     return hidden * (w + e) + w
 
 
@@ -46,7 +50,7 @@ def mlp_bytes(hidden: int, ffn_local: int, e: int) -> int:
     return hidden * e + 5 * ffn_local * e
 
 
-def gdn_bytes(m, tp: int, T: int) -> int:
+def gdn_bytes(m, tp: int, T: int, keys: int = 0) -> int:
     """T tokens (padded to the GDN chunk inside the rule) through one Gated DeltaNet mixer."""
     e, s = _elem(m.dtype), max(4, _elem(m.dtype))
     hk, hv = m.linear_num_key_heads // tp, m.linear_num_value_heads // tp
@@ -63,7 +67,7 @@ def gdn_bytes(m, tp: int, T: int) -> int:
     return b
 
 
-def attention_bytes(m, tp: int, T: int) -> int:
+def attention_bytes(m, tp: int, T: int, keys: int = 0) -> int:
     """T tokens through one gated-attention mixer (replay: the prompt's K/V are the state)."""
     e, s = _elem(m.dtype), max(4, _elem(m.dtype))
     hq, hkv = m.num_attention_heads // tp, max(1, m.num_key_value_heads // tp)
@@ -107,24 +111,33 @@ def moe_bytes(m, T: int) -> int:
     return b
 
 
-def layer_bytes(m, tp: int, T: int, layer: int, keys: int = 0, produce_only: bool = False) -> int:
-    """T tokens through layer `layer` (global index): mixer, MLP, both norms. `keys`: the latents an MLA
-    layer sees (this rank's prompt rows + T). `produce_only`: the layer runs only as far as its state
-    (exact mode's recompute of the model's last layer): its input norm and mixer, an upper bound."""
+def hybrid_layer_bytes(mixer_bytes, m, tp: int, T: int, layer: int, keys: int = 0, produce_only: bool = False) -> int:
+    """A Qwen layer: its mixer (`mixer_bytes`: gdn_bytes or attention_bytes), the SwiGLU MLP, two
+    zero-centred norms; `produce_only`: input norm and mixer (see `layer_bytes`)."""
     e = _elem(m.dtype)
-    t = m.layer_types[layer]
-    if t == "linear_attention":
-        mix = gdn_bytes(m, tp, T)
-    elif t == "full_attention":
-        mix = attention_bytes(m, tp, T)
-    else:
-        mix = mla_bytes(m, tp, T, max(keys, T))
-    norm = T * norm_bytes(m.hidden_size, e, m.family)
+    mix, norm = mixer_bytes(m, tp, T, keys), T * zero_centred_norm_bytes(m.hidden_size, e)
     if produce_only:
         return mix + norm
-    mlp_types = getattr(m, "mlp_types", None)
-    if mlp_types is not None and mlp_types[layer] == "moe":
+    return mix + T * mlp_bytes(m.hidden_size, m.intermediate_size // tp, e) + 2 * norm
+
+
+def glm_layer_bytes(m, tp: int, T: int, layer: int, keys: int = 0, produce_only: bool = False) -> int:
+    """A GLM layer: MLA + DSA over `keys` latents, the dense SwiGLU or the MoE block (its tokens split by
+    sequence over TP), two RMSNorms; `produce_only`: input norm and mixer (see `layer_bytes`)."""
+    e = _elem(m.dtype)
+    mix, norm = mla_bytes(m, tp, T, max(keys, T)), T * rms_norm_bytes(m.hidden_size, e)
+    if produce_only:
+        return mix + norm
+    if m.mlp_types[layer] == "moe":
         mlp = moe_bytes(m, -(-T // tp))  # the MoE layer splits its tokens by sequence over TP
     else:
         mlp = T * mlp_bytes(m.hidden_size, m.intermediate_size // tp, e)
     return mix + mlp + 2 * norm
+
+
+def layer_bytes(layers: dict, m, tp: int, T: int, layer: int, keys: int = 0, produce_only: bool = False) -> int:
+    """T tokens through layer `layer` (global index), by its family's record (`layers`: {layer type:
+    LayerKind}): mixer, MLP, both norms. `keys`: the latents an MLA layer sees (this rank's prompt rows +
+    T). `produce_only`: the layer runs only as far as its state (exact mode's recompute of the model's
+    last layer): its input norm and mixer, an upper bound."""
+    return layers[m.layer_types[layer]].activation_bytes(m, tp, T, layer, keys, produce_only)

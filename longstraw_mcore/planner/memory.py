@@ -1,5 +1,7 @@
 """Per-rank memory of a branch-replay step, by component, from the config alone (no Megatron, no torch
-allocation): what `longstraw plan` prints and `train` / `validate` check before they allocate.
+allocation): what `longstraw plan` prints and `train` / `validate` check before they allocate. What
+differs by family comes from the family record the caller hands in (`family`: its checkpoint table's
+tensor shapes, its per-layer-type records: prompt_state/kinds.py).
 
 Legend: P prompt tokens (P - 1 captured), R response tokens of the longest branch, G branches, tp / pp /
 cp / ep / dp the layout, e the model dtype's bytes. Per rank (the largest pipeline stage and TP rank):
@@ -69,15 +71,13 @@ def _layer_of(name: str) -> int | None:
     return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
 
 
-def rank_params(m, tp: int, ep: int, stage_layers: list[int], stage: int) -> int:
+def rank_params(family, m, tp: int, ep: int, stage_layers: list[int], stage: int) -> int:
     """Parameters on one rank of pipeline stage `stage` (the checkpoint's tensors, split as the model
     splits them; the vocabulary padded as the model pads it)."""
-    from longstraw_mcore.families import get_family
-
     first = sum(stage_layers[:stage])
     mine = range(first, first + stage_layers[stage])
     n = 0
-    for name, shape in get_family(m.family).mapping.hf_shapes(m).items():
+    for name, shape in family.checkpoint.hf_shapes(m).items():
         layer = _layer_of(name)
         if layer is None:
             if name.startswith("model.embed_tokens") and stage != 0:
@@ -99,12 +99,12 @@ def rank_params(m, tp: int, ep: int, stage_layers: list[int], stage: int) -> int
     return n
 
 
-def phase_bytes(cfg, P: int, R: int, G: int, stage: range, last_stage: bool) -> dict:
+def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: bool) -> dict:
     """{phase: bytes} that one rank of the stage holding global layers `stage` allocates on top of the
     parameters, gradients, optimizer and prompt state during each phase (its worst moment):
 
       capture          one layer's intermediates for a chunk (no autograd: they are freed layer by layer);
-                       with DSA the indexer's block of scores on top (also in the other phases)
+                       with DSA the indexer's block of scores on top (a layer kind's scratch)
       replay           every layer's saved tensors for R tokens (G x R with replay.batch_branches),
                        plus the larger of one layer's backward (gradients the size of its saved
                        tensors) and, on the last stage, the log-prob chunk's worst moment: while it is
@@ -116,31 +116,34 @@ def phase_bytes(cfg, P: int, R: int, G: int, stage: range, last_stage: bool) -> 
                        only as far as its state) and one layer's state gradient (measured on H200 and
                        CPU: the chunk's backward needs no more than its forward kept)
     Token counts are this rank's: a chunk's 1/cp under context parallelism, branches whole."""
-    from longstraw_mcore.planner.activations import index_bytes, layer_bytes, norm_bytes
+    from longstraw_mcore.planner.activations import layer_bytes
     from longstraw_mcore.prompt_state.containers import analytic_state_grad_bytes
 
-    m, p, rc = cfg.model, cfg.parallel, cfg.replay
+    m, p, rc, layers = cfg.model, cfg.parallel, cfg.replay, family.layers
     e, w = _elem(m.dtype), max(4, _elem(m.dtype))
     chunk = -(-min(rc.chunk_len, max(P - 1, 1)) // p.cp)
     captured = -(-(P - 1) // p.cp)
-    rows = -(-captured // p.tp) if m.family == "glm_dsa" else captured  # MLA latents: striped over TP too
     exact = rc.mode == "exact"
     types = sorted({m.layer_types[i] for i in stage})
-    one_grad = max(analytic_state_grad_bytes(m, p.tp, captured, [t]) for t in types) if exact else 0
+    one_grad = max(analytic_state_grad_bytes(layers, m, p.tp, captured, [t]) for t in types) if exact else 0
     last = stage[-1] if last_stage else None
 
-    def indexer(T, keys):  # MLA + DSA: the indexer's scores while a full layer runs (no autograd)
-        return index_bytes(m, T, keys) if m.family == "glm_dsa" else 0
+    def rows(i):  # the prompt positions layer i reads on this rank (MLA latents: striped over TP too)
+        return layers[m.layer_types[i]].state.rows(captured, p.tp)
 
-    def saved(T, keys, recompute=False):
-        return sum(layer_bytes(m, p.tp, T, i, keys, produce_only=recompute and i == last) for i in stage)
+    def scratch(T):  # no-autograd scratch while a layer runs (MLA + DSA: the indexer's block of scores)
+        return max(layers[t].scratch_bytes(m, T, layers[t].state.rows(captured, p.tp)) for t in types)
 
-    def widest(T, keys):  # a layer's backward: its saved tensors are alive and gradients of their size made
-        return max(layer_bytes(m, p.tp, T, i, keys) for i in stage)
+    def saved(T, own, recompute=False):
+        return sum(layer_bytes(layers, m, p.tp, T, i, rows(i) + own, produce_only=recompute and i == last)
+                   for i in stage)
 
-    out = {"capture": widest(chunk, rows) + indexer(chunk, rows)}
+    def widest(T, own):  # a layer's backward: its saved tensors are alive and gradients of their size made
+        return max(layer_bytes(layers, m, p.tp, T, i, rows(i) + own) for i in stage)
+
+    out = {"capture": widest(chunk, 0) + scratch(chunk)}
     T = R * (G if rc.batch_branches else 1)
-    top = widest(T, rows + T)
+    top = widest(T, T)
     if last_stage:
         c = min(rc.logprob_chunk, R) * (G if rc.batch_branches else 1)
         vocab = m.padded_vocab_size(p.tp) // p.tp
@@ -148,13 +151,13 @@ def phase_bytes(cfg, P: int, R: int, G: int, stage: range, last_stage: bool) -> 
         # values and their exp; backward: the logits' gradient and the output layer's weight gradient
         copies = e + (0 if e == w else w) + 2 * w
         top = max(top, c * vocab * copies, c * vocab * e + vocab * m.hidden_size * e)
-        top += T * norm_bytes(m.hidden_size, e, m.family)
-    out["replay"] = saved(T, rows + T) + top + one_grad
-    out["prompt_backward"] = saved(chunk, rows, recompute=True) + one_grad if exact else 0
+        top += T * layers[m.layer_types[-1]].norm_bytes(m.hidden_size, e)  # the final norm: the layers' kind
+    out["replay"] = saved(T, T) + top + one_grad
+    out["prompt_backward"] = saved(chunk, 0, recompute=True) + one_grad if exact else 0
     return out
 
 
-def plan_memory(cfg, P: int, R: int, G: int, world_size: int, cuda: bool | None = None,
+def plan_memory(family, cfg, P: int, R: int, G: int, world_size: int, cuda: bool | None = None,
                 grads: str = "train") -> dict:
     """{component: bytes} for the largest rank of the run `cfg` (a RunConfig) on `world_size` ranks at
     prompt P, response R, group size G (`cuda`: on GPUs; default: the config's device); bad input
@@ -179,7 +182,7 @@ def plan_memory(cfg, P: int, R: int, G: int, world_size: int, cuda: bool | None 
         first = sum(stages[:s])
         layers = range(first, first + stages[s])
         types = [m.layer_types[i] for i in layers]
-        n = rank_params(m, p.tp, p.ep, stages, s)
+        n = rank_params(family, m, p.tp, p.ep, stages, s)
         out = {"weights": n * e}
         if grads == "plain":
             out["gradients"] = n * e
@@ -190,10 +193,10 @@ def plan_memory(cfg, P: int, R: int, G: int, world_size: int, cuda: bool | None 
         moments = n * 8 + (n * 4 if m.dtype == "bfloat16" else 0)
         out["optimizer"] = -(-moments // shards) if (t.distributed_optimizer or t.grad_reduction == "micro_step") \
             else moments
-        out["prompt_state"] = sum(analytic_state_bytes(m, p.tp, captured, chunks if exact else 0, 1, types,
-                                                       p.cp).values())
-        out["prompt_state_grad"] = analytic_state_grad_bytes(m, p.tp, captured, types) if exact else 0
-        out["activations"] = max(phase_bytes(cfg, P, R, G, layers, s == p.pp - 1).values())
+        out["prompt_state"] = sum(analytic_state_bytes(family.layers, m, p.tp, captured, chunks if exact else 0, 1,
+                                                       types, p.cp).values())
+        out["prompt_state_grad"] = analytic_state_grad_bytes(family.layers, m, p.tp, captured, types) if exact else 0
+        out["activations"] = max(phase_bytes(family, cfg, P, R, G, layers, s == p.pp - 1).values())
         out["comm_buffers"] = NCCL_BYTES if on_cuda else 0
         out["allocator_slack"] = int(SLACK * sum(out.values())) if on_cuda else 0
         if best is None or sum(out.values()) > sum(best.values()):
@@ -204,19 +207,19 @@ def plan_memory(cfg, P: int, R: int, G: int, world_size: int, cuda: bool | None 
 STEP_COMPONENTS = ("gradients", "prompt_state", "prompt_state_grad", "activations")
 
 
-def step_peak_bytes(cfg, P: int, R: int, G: int, world_size: int, cuda: bool) -> int:
+def step_peak_bytes(family, cfg, P: int, R: int, G: int, world_size: int, cuda: bool) -> int:
     """What a measured step peak above the parameters counts (tools/bench_replay.py, the H200 data,
     tools/plan_vs_measured.py): plain `.grad` tensors allocated in the step, the prompt state and its
     gradient, the worst phase's activations, and (CUDA) the allocator slack on those."""
-    per = plan_memory(cfg, P, R, G, world_size, cuda=False, grads="plain")
+    per = plan_memory(family, cfg, P, R, G, world_size, cuda=False, grads="plain")
     return int(sum(per[k] for k in STEP_COMPONENTS) * (1 + (SLACK if cuda else 0)))
 
 
-def max_prompt_len(cfg, R: int, G: int, world_size: int, device_bytes: int, cuda: bool | None = None,
+def max_prompt_len(family, cfg, R: int, G: int, world_size: int, device_bytes: int, cuda: bool | None = None,
                    limit: int = 1 << 34) -> int:
     """The largest P whose plan fits `device_bytes` per rank (0 if none does)."""
     def fits(P):
-        return sum(plan_memory(cfg, P, R, G, world_size, cuda).values()) <= device_bytes
+        return sum(plan_memory(family, cfg, P, R, G, world_size, cuda).values()) <= device_bytes
 
     if not fits(2):
         return 0

@@ -1,11 +1,14 @@
 """What every per-layer prompt-state kind provides, and the storage helpers they share.
 
-A state kind (one class per layer kind: attention K/V, GDN conv window + recurrent state; later the
-MLA latent, the DSA indexer keys, sequence-sharded K/V) owns, for one local layer:
+A state kind (one class per layer kind: attention K/V, GDN conv window + recurrent state, the MLA
+latent with or without the DSA indexer key; K/V or latents sharded by sequence) owns, for one local
+layer:
 - allocation (its constructor) and its term of the analytic memory model (`analytic_bytes`,
-  `analytic_grad_bytes`: classmethods, so the planner needs no tensors);
+  `analytic_grad_bytes`, `rows`, `probs_bytes`: classmethods, so the planner needs no tensors);
 - the capture write, the replay read and exact mode's recompute read/record, reached through the
-  contexts in contexts.py (attention-like kinds answer `*_keys`, recurrent kinds `*_read/_write`);
+  contexts in contexts.py, one family of phase hooks per mixer hook (prompt_state/hooks.py):
+  attention-like kinds answer `*_keys`, recurrent kinds `*_read` / `*_write`, latent kinds `*_latent`;
+  each is declared below and a kind implements its own family;
 - exact mode's gradient accumulators (`enable_grad` / `release_grad`) and the injection of the
   accumulated gradient into a chunk's recompute (`outputs`, `seed_grads`, then `finish_chunk`);
 - storage-true byte accounting: `kept()` names the tensors it keeps, `PromptState` counts their
@@ -22,6 +25,52 @@ import torch
 
 class LayerState:
     kind: ClassVar[str] = ""
+
+    def _no(self, hook: str):
+        return NotImplementedError(f"the {self.kind or type(self).__name__} state has no {hook} (a mixer called a hook "
+                                   "of another state kind)")
+
+    # --- phase hooks of attention-like kinds (the mixer's key_sets) --------------------------------
+    def capture_keys(self, k, v, local_offset: int, span: tuple[int, int], merged: bool = True):
+        """A capture chunk's K/V (this rank's tokens) -> the key sets its queries attend to."""
+        raise self._no("capture_keys")
+
+    def replay_keys(self, k, v, offset: int, store_probs: bool):
+        """A branch's own K/V -> the prompt (read in place) and its own keys, the own last."""
+        raise self._no("replay_keys")
+
+    def recompute_keys(self, k, v, chunk: int, local_span: tuple[int, int], span: tuple[int, int],
+                       deposit_scale: float = 1.0):
+        """Exact mode: chunk `chunk`'s recomputed K/V -> the earlier state (with its gradient sink) and its own."""
+        raise self._no("recompute_keys")
+
+    # --- phase hooks of recurrent kinds (the mixer's read / write) ----------------------------------
+    def capture_read(self, chunk: int, keep_boundary: bool):
+        raise self._no("capture_read")
+
+    def capture_write(self, new) -> None:
+        raise self._no("capture_write")
+
+    def replay_read(self, batch: int):
+        raise self._no("replay_read")
+
+    def recompute_read(self, chunk: int, deposit_scale: float = 1.0):
+        raise self._no("recompute_read")
+
+    def recompute_write(self, chunk: int, new) -> None:
+        raise self._no("recompute_write")
+
+    # --- phase hooks of latent kinds (the mixer's latent) -------------------------------------------
+    def capture_latent(self, own, local_offset: int):
+        raise self._no("capture_latent")
+
+    def replay_latent(self, own, own_counted: bool = True):
+        raise self._no("replay_latent")
+
+    def recompute_latent(self, own, chunk: int, local_span: tuple[int, int], deposit_scale: float = 1.0):
+        raise self._no("recompute_latent")
+
+    # --- bytes and lifecycle --------------------------------------------------------------------------
 
     def kept(self) -> dict[str, list[torch.Tensor]]:
         """Byte category -> tensors this layer keeps after capture."""
@@ -61,6 +110,17 @@ class LayerState:
 
     @classmethod
     def analytic_grad_bytes(cls, m, tp: int, captured: int) -> int:
+        return 0
+
+    @classmethod
+    def rows(cls, captured: int, tp: int) -> int:
+        """Prompt positions a call's queries read on one TP rank (the planner's count of the keys a layer
+        sees): all of this rank's `captured` unless the kind stripes them over TP."""
+        return captured
+
+    @classmethod
+    def probs_bytes(cls, m, tp: int, batch: int, tokens: int, captured: int) -> int:
+        """A branch's attention probabilities over the prompt when kept for the backward (attention kinds)."""
         return 0
 
 

@@ -4,7 +4,9 @@ accumulates its gradient); exact mode's reverse sweep consumes that gradient.
 
 Byte accounting is storage-true: `nbytes_by_type()` counts every storage the kept tensors live in
 once (a view that pins a larger buffer counts the whole buffer), and equals `analytic_state_bytes`,
-which the planner and the tests share, exactly.
+which the planner and the tests share, exactly. Which kind a layer keeps comes from its family's
+per-layer-type records (prompt_state/kinds.py), handed in: by the model to `allocate`, by the
+caller to the analytic functions.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from dataclasses import dataclass, field
 import torch
 
 from longstraw_mcore.config import ModelConfig
-from longstraw_mcore.families import get_family
 from longstraw_mcore.prompt_state.base import storage_bytes
 
 
@@ -69,31 +70,29 @@ class PromptState:
             st.finish_chunk(chunk)
 
 
-def allocate(model_cfg: ModelConfig, layer_types: dict[int, str], tp: int, captured: int, device,
-             batch: int = 1, **layout) -> PromptState:
-    """Empty state for the given local layers (`{layer_number: layer type}`), each of its family's kind.
+def allocate(kinds: dict, model_cfg: ModelConfig, tp: int, captured: int, device, batch: int = 1,
+             **layout) -> PromptState:
+    """Empty state for the given local layers (`kinds`: {layer_number: its LayerKind}), each of its kind.
     `captured`: positions this rank keeps (its share under context parallelism); `layout` (kv: the KV
     group, spans: the capture chunks) is for kinds that shard further."""
-    kinds = get_family(model_cfg.family).state_kinds
-    return PromptState(layers={n: kinds[t](model_cfg, tp, captured, device, batch, **layout)
-                               for n, t in layer_types.items()})
+    return PromptState(layers={n: k.state(model_cfg, tp, captured, device, batch, **layout) for n, k in kinds.items()})
 
 
-def analytic_state_bytes(m: ModelConfig, tp: int, captured: int, exact_chunks: int = 0, batch: int = 1,
+def analytic_state_bytes(layers: dict, m: ModelConfig, tp: int, captured: int, exact_chunks: int = 0, batch: int = 1,
                          layer_types: list[str] | None = None, cp: int = 1) -> dict[str, int]:
     """Per-rank prompt-state bytes by category for the given layers (default: every layer), from each
-    layer kind's formula; exact mode (`exact_chunks` capture chunks) adds the GDN chunk boundaries.
-    `captured`: the positions this rank holds (with `cp` > 1 its share: parallel/cp.py)."""
-    kinds = get_family(m.family).state_kinds
+    layer kind's formula (`layers`: the family's {layer type: LayerKind}); exact mode (`exact_chunks`
+    capture chunks) adds the GDN chunk boundaries. `captured`: the positions this rank holds (with
+    `cp` > 1 its share: parallel/cp.py)."""
     out: dict[str, int] = {}
     for t in (m.layer_types if layer_types is None else layer_types):
-        for cat, b in kinds[t].analytic_bytes(m, tp, captured, exact_chunks, batch, cp).items():
+        for cat, b in layers[t].state.analytic_bytes(m, tp, captured, exact_chunks, batch, cp).items():
             out[cat] = out.get(cat, 0) + b
     return out
 
 
-def analytic_state_grad_bytes(m: ModelConfig, tp: int, captured: int, layer_types: list[str] | None = None) -> int:
+def analytic_state_grad_bytes(layers: dict, m: ModelConfig, tp: int, captured: int,
+                              layer_types: list[str] | None = None) -> int:
     """Exact mode: bytes of the state gradient while the branches replay."""
-    kinds = get_family(m.family).state_kinds
-    return sum(kinds[t].analytic_grad_bytes(m, tp, captured) for t in (m.layer_types if layer_types is None
-                                                                           else layer_types))
+    return sum(layers[t].state.analytic_grad_bytes(m, tp, captured) for t in (m.layer_types if layer_types is None
+                                                                               else layer_types))

@@ -1,11 +1,11 @@
 """The three ways a model run meets the prompt state (passed as the mixers' `inference_context`).
 
-Mixers call one hook per mixer type and never see which context they run under (models/mixers/
-state.py): attention `ctx.key_sets(layer, k, v)` then `ctx.attend(q, key_sets, q_start, block)`,
-Gated DeltaNet `ctx.recurrent(layer, core, inputs, n_k_heads)` (through `read` / `write`), MLA + DSA
-`ctx.latent(layer, own)` (the latents its queries see: prompt_state/mla.py), every mixer
-`ctx.positions(S, device)`. Each context forwards state hooks to that layer's state kind for
-its phase:
+Mixers call the hooks of prompt_state/hooks.py and never see which context they run under:
+attention `ctx.key_sets(layer, k, v)` then `ctx.attend(q, key_sets, q_start, block, kv)`, Gated
+DeltaNet `ctx.recurrent(layer, core, inputs, n_k_heads)` (through `read` / `write`), MLA + DSA
+`ctx.latent(layer, own)` (the latents its queries see: prompt_state/mla.py) then
+`ctx.attend_latent(query, keys, own, tp_group, kv)`, every mixer `ctx.positions(T, device)`. Each
+context forwards the state hooks to that layer's state kind for its phase:
 
 - `CaptureContext`: a no-grad prompt chunk; kinds store what later tokens need (exact mode: GDN
   kinds also record the state entering the chunk).
@@ -21,7 +21,10 @@ zig-zag pieces of the chunk, its positions are those pieces', attention is
 gathered) and the GDN core runs on the whole chunk for this rank's 1/n of the heads
 (`SeqToHeads` / `HeadsToSeq`), from and to a head-sharded state. A replayed branch is whole on every
 rank: its attention is `replay_attention` (this rank's prompt shard, the branch's own keys counted
-once), its GDN core reads the full final state. In exact mode's recompute the seeds are scaled by
+once), its GDN core reads the full final state. MLA + DSA over a sequence-sharded latent (context
+parallelism, or the TP group's stripes) is `parallel.cp_dsa.attend_latent_sharded`: a chunk's queries
+gathered over CP, every head's over the TP stripes, the top-k chosen globally and the attention
+merged by log-sum-exp. In exact mode's recompute the seeds are scaled by
 n and what the sweep deposits into state gradients by 1/n: the recomputed chunk's parameter
 gradients are partial per rank (each rank recomputes 1/n of the tokens) while the replay's are
 replicated, and Megatron DDP averages over data x context parallel ranks.
@@ -45,15 +48,27 @@ from __future__ import annotations
 
 import torch
 
-from longstraw_mcore.models.mixers.state import StateHooks
 from longstraw_mcore.ops.attention import KeySet
 from longstraw_mcore.parallel.cp import CPLayout, local_positions
 from longstraw_mcore.prompt_state.containers import PromptState
+from longstraw_mcore.prompt_state.hooks import MLAKeys, StateHooks
 
 
 class _Base(StateHooks):
     def __init__(self, state: PromptState, offset: int, layout: CPLayout | None = None):
         self.state, self.position_offset, self.layout = state, offset, layout
+
+    def _cp_chunk(self) -> tuple[int, int] | None:
+        """(chunk tokens, its first position) when this call's tokens are this rank's zig-zag pieces of a
+        chunk split over context-parallel ranks; None otherwise (a replayed branch is whole on every rank)."""
+        return None
+
+    def attend_latent(self, query, keys, own, tp_group, kv=None):
+        if self.layout is None and kv is None:  # the state is whole on this rank
+            return super().attend_latent(query, keys, own, tp_group, kv)
+        from longstraw_mcore.parallel.cp_dsa import attend_latent_sharded
+
+        return attend_latent_sharded(query, keys, own, tp_group, kv, self.layout, self._cp_chunk())
 
 
 class _ChunkBase(_Base):
@@ -65,11 +80,14 @@ class _ChunkBase(_Base):
         self.chunk, self.local_span = chunk, state.local_bounds[chunk]
         self.T = self.span[1] - self.span[0]
 
-    def positions(self, S: int, device) -> torch.Tensor:
+    def _cp_chunk(self) -> tuple[int, int] | None:
+        return None if self.layout is None else (self.T, self.span[0])
+
+    def positions(self, T: int, device) -> torch.Tensor:
         if self.layout is None:
-            return super().positions(S, device)
+            return super().positions(T, device)
         pos = local_positions(self.T, self.layout.size, self.layout.rank)
-        assert len(pos) == S, (len(pos), S)
+        assert len(pos) == T, (len(pos), T)
         return torch.tensor(pos, dtype=torch.long, device=device) + self.span[0]
 
     def attend(self, q, keys: list[KeySet], q_start: int, block: int, kv=None):
@@ -140,8 +158,6 @@ class ReplayContext(_Base):
         if self.layout is None:
             return self.state.layers[n].replay_latent(own)
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region as copy_to
-
-        from longstraw_mcore.prompt_state.mla import MLAKeys
 
         # the branch's own latents are replicated and counted on rank 0 only: their gradient (rank 0's)
         # is summed over the ranks so that every replica holds it (parallel/cp_dsa.py)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from longstraw_mcore.models.mixers.state import GDNState
 from longstraw_mcore.prompt_state.base import LayerState, element_size, grad_dtype, own_storage
+from longstraw_mcore.prompt_state.hooks import GDNState
 
 
 def _leaves(st: GDNState) -> GDNState:

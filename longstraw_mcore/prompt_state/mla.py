@@ -28,23 +28,11 @@ materialised at full prompt size per layer before it is added to the leaf).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from longstraw_mcore.ops.scale_grad import scale_grad
 from longstraw_mcore.prompt_state.base import LayerState, element_size, grad_dtype
-
-
-@dataclass
-class MLAKeys:
-    """What a call's queries may attend to: latents, RoPE keys, indexer keys (None on shared layers),
-    and the keys' absolute positions."""
-
-    c: torch.Tensor            # [B, T, R]
-    pe: torch.Tensor           # [B, T, Dr]
-    ik: torch.Tensor | None    # [B, T, Di]
-    pos: torch.Tensor          # [T] global positions
-    counted: torch.Tensor | None = None  # [T] bool: rows this rank counts under CP (None: all)
+from longstraw_mcore.prompt_state.hooks import MLAKeys
 
 
 def _cat(a, b):
@@ -136,8 +124,6 @@ class MLALatentState(LayerState):
                          deposit_scale: float = 1.0) -> MLAKeys:
         """`deposit_scale`: what the chunk's backward deposits into the earlier rows' gradient is scaled
         by it (1/n under CP, whose recompute seeds are n times the gradient: prompt_state/contexts.py)."""
-        from longstraw_mcore.ops.scale_grad import scale_grad
-
         ls0, ls1 = local_span
         assert self.leaves is not None and own.c.shape[1] == ls1 - ls0, (own.c.shape, local_span)
         self.produced[chunk] = (own.c, own.pe, local_span)
@@ -190,9 +176,14 @@ class MLALatentState(LayerState):
         return list(self.leaves) + [x.grad for x in self.leaves if x.grad is not None]
 
     @classmethod
+    def rows(cls, captured: int, tp: int) -> int:
+        """The largest TP rank's stripe of this CP rank's `captured` positions."""
+        return -(-captured // tp)
+
+    @classmethod
     def analytic_bytes(cls, m, tp: int, captured: int, exact_chunks: int, batch: int = 1, cp: int = 1) -> dict:
         """The largest TP rank's: ceil(captured / tp) rows (a stripe of this CP rank's positions)."""
-        e, rows = element_size(m.torch_dtype), -(-captured // tp)
+        e, rows = element_size(m.torch_dtype), cls.rows(captured, tp)
         out = {"mla_latent": (m.kv_lora_rank + m.qk_rope_head_dim) * rows * e * batch}
         if cls.indexer:
             out["dsa_index_keys"] = m.index_head_dim * rows * e * batch
@@ -201,7 +192,7 @@ class MLALatentState(LayerState):
     @classmethod
     def analytic_grad_bytes(cls, m, tp: int, captured: int) -> int:
         """The float32 leaves' gradients, and the float32 leaf copies when the model dtype is narrower."""
-        n = (m.kv_lora_rank + m.qk_rope_head_dim) * -(-captured // tp)
+        n = (m.kv_lora_rank + m.qk_rope_head_dim) * cls.rows(captured, tp)
         copies = n if grad_dtype(m.torch_dtype) != m.torch_dtype else 0
         return (n + copies) * element_size(grad_dtype(m.torch_dtype))
 

@@ -45,17 +45,17 @@ def _scaled(fn, scale: float):
     return loss_fn
 
 
-def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConfig, tp: int, scale: float = 1.0,
+def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConfig, scale: float = 1.0,
                   ref_model=None, index: int = 0) -> GroupStats:
     t0 = time.perf_counter()
     stats = GroupStats(reward_mean=sum(group.rewards) / len(group.rewards))
     ref_state_bytes = 0
     if gcfg.objective == "dpo":
         chosen, rejected = dpo.chosen_rejected(group.rewards, f"group {index}")
-        logps, _ = score_group(model, group.prompt, group.responses, rcfg, tp)
+        logps, _ = score_group(model, group.prompt, group.responses, rcfg)
         pi = {b: float(lp.sum()) for b, lp in enumerate(logps)}
         if group.ref_logprobs is None and ref_model is not None:  # the reference policy, scored without autograd
-            ref_lps, ref_state = score_group(ref_model, group.prompt, group.responses, rcfg, tp)
+            ref_lps, ref_state = score_group(ref_model, group.prompt, group.responses, rcfg)
             ref_state_bytes = ref_state.nbytes()
             del ref_state
             ref = {b: float(lp.sum()) for b, lp in enumerate(ref_lps)}
@@ -73,15 +73,14 @@ def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConf
             if ref_model is None:
                 raise ValueError(f"group {index}: grpo.beta={gcfg.beta} needs ref_logprobs in the rollouts or a "
                                  "reference model (--ref-hf / --ref-load)")
-            ref_lps, ref_state = score_group(ref_model, group.prompt, group.responses, rcfg, tp)
+            ref_lps, ref_state = score_group(ref_model, group.prompt, group.responses, rcfg)
             ref_state_bytes = ref_state.nbytes()
             del ref_state
             group = RolloutGroup(prompt=group.prompt, responses=group.responses, rewards=group.rewards,
                                  old_logprobs=group.old_logprobs, ref_logprobs=[lp.tolist() for lp in ref_lps])
         fn = group_loss_fn(group, gcfg, adv)
         loss = None
-    results, state, seconds = run_group(model, group.prompt, group.responses, _scaled(fn, scale), rcfg, tp,
-                                        timed=True)
+    results, state, seconds = run_group(model, group.prompt, group.responses, _scaled(fn, scale), rcfg, timed=True)
     per = [r.stats for r in results]
     stats.loss = loss if loss is not None else sum(s["loss"] for s in per)
     stats.tokens = sum(s["tokens"] for s in per)

@@ -18,8 +18,17 @@ three branches and exact mode:
 
 Detached mode stops after the replay steps; scoring (no autograd) is a plan of replay steps alone
 against a state captured before. Each pipeline stage runs the same steps on its own layers (nothing
-in a step depends on which layers execute it): replay/stages.py feeds them to Megatron's pipeline
-engine as micro-batches.
+in a step depends on which layers execute it): replay/pipeline.py feeds them to Megatron's pipeline
+engine as micro-batches, replay/local.py runs them in a loop at pp = 1.
+
+The prompt state's lifecycle transitions are steps too (`with_transitions`), so the executors only
+dispatch: `finish_capture` after the last capture chunk (context parallelism gathers the final
+recurrent state there), `enable_grad` before the first replay step of exact mode (the state gradient
+starts accumulating), `release_grad` after the last chunk of the prompt backward (it is spent). The
+example above, exact, becomes
+
+    capture 0, capture 1, capture 2, finish_capture, enable_grad, replay 0, replay 1, replay 2,
+    prompt_backward 2, prompt_backward 1, prompt_backward 0, release_grad
 """
 
 from __future__ import annotations
@@ -28,9 +37,13 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 
+TRANSITIONS = ("finish_capture", "enable_grad", "release_grad")
+"""The state's lifecycle steps (no model work)."""
+
+
 @dataclass(frozen=True)
 class Step:
-    phase: Literal["capture", "replay", "prompt_backward"]
+    phase: Literal["capture", "replay", "prompt_backward", "finish_capture", "enable_grad", "release_grad"]
     index: int                                  # capture chunk, or replay micro-step
     span: tuple[int, int] = (0, 0)              # prompt token range of a chunk
     branches: tuple[int, ...] = ()              # the branches of a replay micro-step
@@ -59,3 +72,19 @@ def plan_group(captured: int, chunk_len: int, order: Sequence[int], mode: str, b
     if mode == "exact":
         steps += [Step("prompt_backward", c, spans[c]) for c in reversed(range(len(spans)))]
     return steps
+
+
+def with_transitions(plan: Sequence[Step], state_grad: bool) -> list[Step]:
+    """`plan`'s steps with the state's lifecycle transitions where they happen (see the module
+    docstring); `state_grad`: exact mode with a loss, the state gradient accumulates over the replays."""
+    out: list[Step] = []
+    for i, step in enumerate(plan):
+        if step.phase == "replay" and state_grad:
+            out.append(Step("enable_grad", 0))
+            state_grad = False
+        out.append(step)
+        if step.phase == "capture" and (i + 1 == len(plan) or plan[i + 1].phase != "capture"):
+            out.append(Step("finish_capture", 0))
+        elif step.phase == "prompt_backward" and step.index == 0:
+            out.append(Step("release_grad", 0))
+    return out

@@ -9,7 +9,7 @@ against that state without autograd and sampling the next token from the last po
                  (what GRPO's ratio needs as old_logprobs; equal to what replay scoring computes)
 
 Under pipeline parallelism a step is one forward-only micro-batch through the stages (Megatron's
-schedule, replay/stages.forward_once); the last stage picks the tokens and broadcasts them, with
+schedule, replay/pipeline.forward_once); the last stage picks the tokens and broadcasts them, with
 their log-probs, over the pipeline group, so every stage feeds the same ids to the next step.
 
 Each step replays the whole branch prefix (O(R^2) tokens per branch): the state is shared and
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from longstraw_mcore.config import ConfigError, ReplayConfig, RolloutConfig
+from longstraw_mcore.replay.steps import core_of
 
 
 @dataclass
@@ -34,10 +35,6 @@ class SampledGroup:
     prompt: list[int]
     responses: list[list[int]]
     logprobs: list[list[float]]      # the model's log-prob of each sampled token (temperature 1)
-
-
-def _core(model):
-    return getattr(model, "module", model)
 
 
 def full_logits(core, hidden: torch.Tensor) -> torch.Tensor:
@@ -91,7 +88,7 @@ def _next_tokens(model, core, ids, ctx, cfg: RolloutConfig, u: torch.Tensor):
     else:
         import torch.distributed as dist
 
-        from longstraw_mcore.replay.stages import forward_once
+        from longstraw_mcore.replay.pipeline import forward_once
 
         picked = forward_once(model, lambda: core.forward_hidden(ids, ctx), lambda h: _pick(core, h, cfg, u))
         if picked is None:
@@ -107,7 +104,7 @@ def sample_group(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayCon
     from longstraw_mcore.prompt_state.contexts import ReplayContext
     from longstraw_mcore.replay.engine import capture
 
-    core = _core(model)
+    core = core_of(model)
     check_prompt(prompt, cfg, core.model_cfg.vocab_size, f"prompt {index}")
     device = next(core.parameters()).device
     state = capture(model, torch.tensor([prompt[:-1]], device=device),

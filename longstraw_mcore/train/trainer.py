@@ -112,7 +112,7 @@ class Trainer:
                     (group_index(self.step, self._dp_rank(), i, par.dp, gps, len(self.groups)) for i in range(gps))]
         t_sample = time.perf_counter() - t_sample
         for gi, group in mine:
-            st = process_group(self.ddp, group, cfg.replay, cfg.grpo, par.tp, scale=1.0 / gps,
+            st = process_group(self.ddp, group, cfg.replay, cfg.grpo, scale=1.0 / gps,
                                ref_model=self.ref_model, index=gi)
             for j, x in enumerate((st.loss, st.reward_mean, st.tokens, st.clipped, st.kl_sum, float(st.skipped), 1.0,
                                    st.state_bytes + st.ref_state_bytes, len(group.prompt))):

@@ -42,7 +42,7 @@ def _setup():
 
 
 def _trainer(cfg, par, groups, logs):
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.train.trainer import Trainer, build_optimizer, wrap_ddp
 
     torch.manual_seed(cfg.seed)  # the same initial weights for every trainer built here

@@ -27,7 +27,7 @@ def _rollouts(path, groups):
 
 
 def _hf_config(d, **changes):
-    from longstraw_mcore.checkpoint.hf import hf_config_dict
+    from longstraw_mcore.checkpoint.qwen3_5 import hf_config_dict
     from longstraw_mcore.config import load_config
 
     raw = hf_config_dict(load_config(os.path.join(ROOT, TINY)).model)

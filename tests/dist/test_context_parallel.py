@@ -52,7 +52,7 @@ def _step(m, full, groups, tp, cp, mode):
 
     from longstraw_mcore.checkpoint.full_state import gather_full, load_full
     from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig, TrainConfig
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.replay.group_step import process_group
     from longstraw_mcore.train.trainer import wrap_ddp
@@ -67,7 +67,7 @@ def _step(m, full, groups, tp, cp, mode):
     mine = {}
     for i in range(n):
         if i % par.dp == dp_rank:
-            st = process_group(ddp, groups[i], ReplayConfig(mode=mode, chunk_len=7), GRPOConfig(beta=0.05), tp,
+            st = process_group(ddp, groups[i], ReplayConfig(mode=mode, chunk_len=7), GRPOConfig(beta=0.05),
                                scale=par.dp / n)
             mine[i] = (st.loss, st.logprobs)
     finalize_model_grads([ddp], pg_collection=par.pgs)
@@ -84,7 +84,7 @@ def _captured(m, full, prompt, tp, cp, mode):
 
     from longstraw_mcore.checkpoint.full_state import load_full
     from longstraw_mcore.config import ParallelConfig, ReplayConfig, RunConfig
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.cp import local_positions
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.replay.engine import capture
@@ -112,7 +112,7 @@ def _memory(m, full):
 
     from longstraw_mcore.checkpoint.full_state import load_full
     from longstraw_mcore.config import ParallelConfig, ReplayConfig, RunConfig
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.replay.engine import capture
 

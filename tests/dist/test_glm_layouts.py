@@ -59,7 +59,7 @@ def _steps(m, full, groups, **layout):
         mine = {}
         for i, g in enumerate(groups):
             if i % par.dp == par.pgs.dp.rank():
-                st = process_group(ddp, g, ReplayConfig(mode=mode, chunk_len=5), GRPOConfig(beta=0.05), par.tp,
+                st = process_group(ddp, g, ReplayConfig(mode=mode, chunk_len=5), GRPOConfig(beta=0.05),
                                    scale=par.dp / len(groups))
                 mine[i] = (st.loss, st.logprobs)
         finalize_model_grads([ddp], pg_collection=par.pgs)
@@ -116,7 +116,7 @@ def _worker(rank, world_size):
     model, ddp, par = _build(m, ep=2)
     g = make_group(m, 16 + 2 * par.pgs.dp.rank(), [3, 1], seed=90)
     try:
-        process_group(ddp, g, ReplayConfig(chunk_len=5), GRPOConfig(), 1)
+        process_group(ddp, g, ReplayConfig(chunk_len=5), GRPOConfig())
         out["refused"] = ""
     except ValueError as e:
         out["refused"] = str(e)

@@ -31,9 +31,10 @@ def _layout_run(m, tp, pp, full_weights, ids, probe, seed):
     """Build the model at (tp, pp), load weights, forward+backward through Megatron's schedule."""
     from longstraw_mcore.checkpoint.full_state import gather_full, load_full
     from longstraw_mcore.config import ParallelConfig, RunConfig
-    from longstraw_mcore.models.qwen3_5 import build_model, gather_vocab
+    from longstraw_mcore.families.qwen3_5 import build_model
+    from longstraw_mcore.models.language_model import gather_vocab
     from longstraw_mcore.parallel.groups import setup_parallel
-    from longstraw_mcore.pipeline import forward_backward
+    from longstraw_mcore.replay.pipeline import forward_backward
 
     par = setup_parallel(RunConfig(model=m, parallel=ParallelConfig(tp=tp, pp=pp), device="cpu", seed=seed))
     model = build_model(m, par, "cpu")
@@ -52,8 +53,8 @@ def _continuation_errors(m, tp, full, ids):
     """max relative error of split-at-`a` runs (logits, and the final state of every layer) vs one pass."""
     from longstraw_mcore.checkpoint.full_state import load_full
     from longstraw_mcore.config import ParallelConfig, RunConfig
-    from longstraw_mcore.models.mixers.state import AttentionState, StateContext
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.prompt_state.hooks import AttentionState, StateContext
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
 
     par = setup_parallel(RunConfig(model=m, parallel=ParallelConfig(tp=tp), device="cpu"))
@@ -84,7 +85,7 @@ def _worker(rank, world_size, tmpdir):
     from longstraw_mcore.checkpoint.dist_ckpt import load_checkpoint, save_checkpoint
     from longstraw_mcore.checkpoint.full_state import gather_full
     from longstraw_mcore.checkpoint.qwen3_5 import hf_to_mcore
-    from longstraw_mcore.models.qwen3_5 import gather_vocab
+    from longstraw_mcore.models.language_model import gather_vocab
 
     m = tiny_model_config(**OVER)
     full = hf_to_mcore(hf_state(build_hf_model(m, seed=3)), m)
@@ -115,9 +116,9 @@ def _worker(rank, world_size, tmpdir):
     ckpt_results = {}
     for tp, pp in [(1, 1), (1, 2)]:
         from longstraw_mcore.config import ParallelConfig, RunConfig
-        from longstraw_mcore.models.qwen3_5 import build_model
+        from longstraw_mcore.families.qwen3_5 import build_model
         from longstraw_mcore.parallel.groups import setup_parallel
-        from longstraw_mcore.pipeline import forward_backward
+        from longstraw_mcore.replay.pipeline import forward_backward
 
         par = setup_parallel(RunConfig(model=m, parallel=ParallelConfig(tp=tp, pp=pp), device="cpu", seed=99))
         model = build_model(m, par, "cpu")

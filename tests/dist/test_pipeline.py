@@ -45,7 +45,7 @@ def _groups(m):
 def _setup(m, full, tp, pp, cp, pp_layers=None):
     from longstraw_mcore.checkpoint.full_state import load_full
     from longstraw_mcore.config import ParallelConfig, RunConfig, TrainConfig
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.train.trainer import wrap_ddp
 
@@ -75,7 +75,7 @@ def _steps(m, full, groups, layout, zero2=False):
         mine = {}
         for i in range(n):
             if i % par.dp == dp_rank:
-                st = process_group(ddp, groups[i], ReplayConfig(mode=mode, chunk_len=7), GRPOConfig(beta=0.05), par.tp,
+                st = process_group(ddp, groups[i], ReplayConfig(mode=mode, chunk_len=7), GRPOConfig(beta=0.05),
                                    scale=par.dp / n)
                 mine[i] = (st.loss, st.logprobs)
         finalize_model_grads([ddp], pg_collection=par.pgs)
@@ -90,7 +90,7 @@ def _steps(m, full, groups, layout, zero2=False):
 
     # scoring without autograd (DPO's policy and reference log-probs): forward-only schedules
     out["scores"] = [lp.tolist() for lp in score_group(ddp, groups[1].prompt, groups[1].responses,
-                                                       ReplayConfig(chunk_len=7), par.tp)[0]]
+                                                       ReplayConfig(chunk_len=7))[0]]
     return out
 
 
@@ -102,7 +102,7 @@ def _sharded(m, full, par, groups):
 
     from longstraw_mcore.checkpoint.full_state import gather_full, load_full
     from longstraw_mcore.config import GRPOConfig, ReplayConfig
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.replay.group_step import process_group
     from longstraw_mcore.train.zero2 import ShardedGradients
 
@@ -113,7 +113,7 @@ def _sharded(m, full, par, groups):
     mine = {}
     for i in range(n):
         if i % par.dp == dp_rank:
-            st = process_group(grads, groups[i], ReplayConfig(mode="exact", chunk_len=7), GRPOConfig(beta=0.05), par.tp,
+            st = process_group(grads, groups[i], ReplayConfig(mode="exact", chunk_len=7), GRPOConfig(beta=0.05),
                                scale=par.dp / n)
             mine[i] = (st.loss, st.logprobs)
             held += sum(p.grad is not None for p in model.parameters())

@@ -26,7 +26,7 @@ def _worker(rank, world_size):
 
     from longstraw_mcore.config import ParallelConfig, ReplayConfig, RunConfig, TrainConfig
     from longstraw_mcore.data.rollouts import RolloutGroup
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.parallel.reduce import all_reduce_max, all_reduce_sum, count_parameters, grad_norm
     from longstraw_mcore.train import trainer as trainer_mod

@@ -23,19 +23,20 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 def _reference_worker(rank, world_size, hf_dir, rollouts):
     from longstraw_mcore.checkpoint.convert import load_hf_into_model
     from longstraw_mcore.checkpoint.full_state import gather_full
-    from longstraw_mcore.checkpoint.hf import read_config
+    from longstraw_mcore.checkpoint.qwen3_5 import read_config
     from longstraw_mcore.checkpoint.qwen3_5 import mcore_to_hf
     from longstraw_mcore.config import GRPOConfig, ParallelConfig, RunConfig
     from longstraw_mcore.data.rollouts import load_rollouts
+    from longstraw_mcore.families import get_family
     from longstraw_mcore.loss.grpo import advantages, group_loss_fn
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.replay.reference import full_sequence_branches
 
     m, _ = read_config(hf_dir)
     par = setup_parallel(RunConfig(model=m, parallel=ParallelConfig(), device="cpu"))
     model = build_model(m, par, "cpu")
-    load_hf_into_model(model, hf_dir, expect=m)
+    load_hf_into_model(get_family(m.family), model, hf_dir, expect=m)
     groups = load_rollouts(rollouts, m.vocab_size)
     gcfg = GRPOConfig()
     logps, losses = [], []

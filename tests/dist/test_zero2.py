@@ -31,7 +31,7 @@ def _worker(rank, world_size):
     from longstraw_mcore.checkpoint.full_state import load_full
     from longstraw_mcore.checkpoint.qwen3_5 import hf_to_mcore
     from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig, TrainConfig
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.replay.group_step import process_group
     from longstraw_mcore.train.trainer import build_training
@@ -47,7 +47,7 @@ def _worker(rank, world_size):
     ref = build_model(m, par, "cpu")
     load_full(ref, full)
     for g in groups:
-        process_group(ref, g, rcfg, gcfg, 1, scale=1 / len(groups))
+        process_group(ref, g, rcfg, gcfg, scale=1 / len(groups))
     names = [n for n, _ in ref.named_parameters()]
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
     adam = torch.optim.AdamW([{"params": [p for p in ref.parameters() if p.dim() > 1], "weight_decay": 0.1},
@@ -66,7 +66,7 @@ def _worker(rank, world_size):
     after_each = []
     for i, g in enumerate(groups):
         if i % par.dp == n_dp:
-            process_group(grads, g, rcfg, gcfg, 1, scale=par.dp / len(groups))
+            process_group(grads, g, rcfg, gcfg, scale=par.dp / len(groups))
             after_each.append((grads.grad_bytes(), sum(p.grad is not None for p in model.parameters())))
     grads.finish()  # the DP ranks' groups differ in micro-steps: join rounds until all are done
     # gather the shards into full gradients

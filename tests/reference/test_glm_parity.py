@@ -69,7 +69,7 @@ def build_glm(m, tp: int = 1, ep: int = 1):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from longstraw_mcore import cpu_compat
-    from longstraw_mcore.models.glm5 import build_model
+    from longstraw_mcore.families.glm_dsa import build_model
 
     cpu_compat.enable("cpu")
     if parallel_state.model_parallel_is_initialized():
@@ -78,7 +78,7 @@ def build_glm(m, tp: int = 1, ep: int = 1):
                                              expert_tensor_parallel_size=1)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     par = SimpleNamespace(tp=tp, pp=1, cp=1, ep=ep, pgs=pgs, is_first_stage=True, is_last_stage=True,
-                          dp=dist.get_world_size() // tp)
+                          dp=dist.get_world_size() // tp, pp_rank=0, stage_layers=[m.num_layers], tp_kv=None)
     return build_model(m, par, "cpu"), par
 
 

@@ -50,7 +50,8 @@ def _run_pair(m, seed, batch, seq, lifted):
     from longstraw_mcore.checkpoint.full_state import gather_full, load_full
     from longstraw_mcore.checkpoint.qwen3_5 import hf_to_mcore
     from longstraw_mcore.config import ParallelConfig, RunConfig
-    from longstraw_mcore.models.qwen3_5 import build_model, gather_vocab
+    from longstraw_mcore.families.qwen3_5 import build_model
+    from longstraw_mcore.models.language_model import gather_vocab
     from longstraw_mcore.parallel.groups import setup_parallel
 
     lift = LiftFloat32ToFloat64 if lifted else contextlib.nullcontext

@@ -37,7 +37,8 @@ def _worker(rank, world_size, tmpdir):
     from longstraw_mcore.checkpoint.hf import SafetensorsDir
     from longstraw_mcore.checkpoint.qwen3_5 import LazyCanonical, hf_to_mcore
     from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig
-    from longstraw_mcore.models.qwen3_5 import build_model, gather_vocab
+    from longstraw_mcore.families.qwen3_5 import build_model
+    from longstraw_mcore.models.language_model import gather_vocab
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.replay.engine import run_group
 

@@ -18,7 +18,7 @@ def _grads(dtype, mode, group, full64):
 
     from longstraw_mcore.checkpoint.full_state import gather_full, load_full
     from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig, TrainConfig
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.replay.group_step import process_group
     from longstraw_mcore.train.trainer import wrap_ddp
@@ -30,7 +30,7 @@ def _grads(dtype, mode, group, full64):
     load_full(model, full64)
     ddp = wrap_ddp(model, cfg, par)
     ddp.zero_grad_buffer()
-    process_group(ddp, group, ReplayConfig(mode=mode, chunk_len=16), GRPOConfig(), 1)
+    process_group(ddp, group, ReplayConfig(mode=mode, chunk_len=16), GRPOConfig())
     finalize_model_grads([ddp], pg_collection=par.pgs)
     return {k: v.double() for k, v in gather_full(model, grads=True).items()}
 

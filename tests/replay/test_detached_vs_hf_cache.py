@@ -73,7 +73,7 @@ def _worker(rank, world_size):
     from longstraw_mcore.checkpoint.qwen3_5 import hf_to_mcore
     from longstraw_mcore.config import ParallelConfig, RunConfig
     from longstraw_mcore.loss.grpo import GRPOConfig, advantages, group_loss_fn
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.replay.engine import ReplayConfig, run_group
 
@@ -93,7 +93,7 @@ def _worker(rank, world_size):
         ref_g = hf_to_mcore({n: (p.grad if p.grad is not None else torch.zeros_like(p))
                              for n, p in hf.named_parameters()}, m)
         model.zero_grad(set_to_none=True)
-        res, _ = run_group(model, group.prompt, group.responses, fn, ReplayConfig(mode="detached", chunk_len=4), tp=1)
+        res, _ = run_group(model, group.prompt, group.responses, fn, ReplayConfig(mode="detached", chunk_len=4))
         g = gather_full(model, grads=True)
         worst = max(g, key=lambda k: rel(g[k], ref_g[k]) if ref_g[k].abs().max() > 0 else 0.0)
         zero_in_ref = sorted(k for k in ref_g if ref_g[k].abs().max() == 0)

@@ -15,7 +15,7 @@ def _worker(rank, world_size):
     from longstraw_mcore.checkpoint.full_state import gather_full, load_full
     from longstraw_mcore.checkpoint.qwen3_5 import hf_to_mcore
     from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.replay.group_step import process_group
     from longstraw_mcore.replay.reference import full_sequence_branches
@@ -29,15 +29,15 @@ def _worker(rank, world_size):
     group.rewards, group.old_logprobs, group.ref_logprobs = [0.1, 0.7], None, None
     gcfg, rcfg = GRPOConfig(objective="dpo", beta=0.5), ReplayConfig(mode="exact", chunk_len=6)
     policy.zero_grad(set_to_none=True)
-    with_model = process_group(policy, group, rcfg, gcfg, tp=1, ref_model=ref)
+    with_model = process_group(policy, group, rcfg, gcfg, ref_model=ref)
     g_model = gather_full(policy, grads=True)
     group.ref_logprobs = [lp.tolist() for lp in full_sequence_branches(ref, group.prompt, group.responses, None)]
     policy.zero_grad(set_to_none=True)
-    with_file = process_group(policy, group, rcfg, gcfg, tp=1)
+    with_file = process_group(policy, group, rcfg, gcfg)
     g_file = gather_full(policy, grads=True)
     group.ref_logprobs = None
     policy.zero_grad(set_to_none=True)
-    without = process_group(policy, group, rcfg, gcfg, tp=1)  # reference-free DPO: a different loss
+    without = process_group(policy, group, rcfg, gcfg)  # reference-free DPO: a different loss
     return dict(loss=abs(with_model.loss - with_file.loss) / abs(with_file.loss),
                 grad=max(rel(g_model[k], g_file[k]) for k in g_file), ref_state=with_model.ref_state_bytes,
                 free_loss_differs=abs(without.loss - with_file.loss) > 1e-6)

@@ -35,6 +35,7 @@ def _worker(rank, world_size):
     from longstraw_mcore.checkpoint.glm_dsa import from_transformers_state, hf_to_mcore
     from longstraw_mcore.config import GRPOConfig, ReplayConfig
     from longstraw_mcore.prompt_state.containers import analytic_state_bytes
+    from longstraw_mcore.families import get_family
     from longstraw_mcore.replay.engine import capture, run_group
     from longstraw_mcore.replay.reference import full_sequence_branches
 
@@ -52,7 +53,7 @@ def _worker(rank, world_size):
             for mode in ("exact", "detached"):
                 cfg = ReplayConfig(mode=mode, chunk_len=chunk)
                 got[mode] = grads_and_loss(model, group, gcfg, lambda fn: [r.logprobs for r in run_group(
-                    model, group.prompt, group.responses, fn, cfg, tp=1)[0]])
+                    model, group.prompt, group.responses, fn, cfg)[0]])
             (l, lp, g), (_, lpd, gd) = got["exact"], got["detached"]
             out["exact"].append(dict(P=P, G=len(lengths), chunk=chunk, loss=abs(l - ref[0]) / abs(ref[0]),
                                      logp=max(rel(a, b) for a, b in zip(lp, ref[1])),
@@ -62,7 +63,7 @@ def _worker(rank, world_size):
             out["detached"].append(dict(P=P, chunk=chunk, logp=max(rel(a, b) for a, b in zip(lpd, ref[1])),
                                         cosine=num / den, grads=gd))
         st = capture(model, torch.tensor([group.prompt[:-1]]), ReplayConfig(chunk_len=5))
-        out["bytes"].append((st.nbytes_by_type(), analytic_state_bytes(m, 1, P - 1)))
+        out["bytes"].append((st.nbytes_by_type(), analytic_state_bytes(get_family(m.family).layers, m, 1, P - 1)))
     # chunk-size invariance of the detached gradient, then drop the tensors
     pairs = [(out["detached"][i]["grads"], out["detached"][i + 1]["grads"]) for i in (0, 2)]
     out["detached_chunk"] = max(rel(a[k], b[k]) for a, b in pairs for k in a)
@@ -116,7 +117,7 @@ def _detached_worker(rank, world_size):
         grads.update({n: torch.zeros_like(b) for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")})
         ref_g = hf_to_mcore(from_transformers_state(grads), m)
         model.zero_grad(set_to_none=True)
-        res, _ = run_group(model, group.prompt, group.responses, fn, ReplayConfig(mode="detached", chunk_len=4), tp=1)
+        res, _ = run_group(model, group.prompt, group.responses, fn, ReplayConfig(mode="detached", chunk_len=4))
         g = gather_full(model, grads=True)
         keys = [k for k in ref_g if ref_g[k].abs().max() > 0 and ".indexer." not in k]
         out.append(dict(P=P, G=len(lengths), logp=max(rel(r.logprobs, lp) for r, lp in zip(res, ref_lp)),

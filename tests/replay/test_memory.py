@@ -16,7 +16,7 @@ def _worker(rank, world_size):
     from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig
     from longstraw_mcore.data.rollouts import RolloutGroup
     from longstraw_mcore.loss.grpo import advantages, group_loss_fn
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.replay.engine import capture, make_leaves, replay_branches
     from longstraw_mcore.replay.group_step import process_group
@@ -40,11 +40,11 @@ def _worker(rank, world_size):
             grp = RolloutGroup(prompt=prompt, responses=[torch.randint(0, m.vocab_size, (R,), generator=g).tolist()
                                                          for _ in range(G)], rewards=[float(i % 3) for i in range(G)])
             model.zero_grad(set_to_none=True)
-            _, peaks[G], how = measure_peak(lambda: process_group(model, grp, rcfg, GRPOConfig(), tp=1), par.device)
+            _, peaks[G], how = measure_peak(lambda: process_group(model, grp, rcfg, GRPOConfig()), par.device)
         # one branch's scratch: replay one more branch once parameter (and state) gradients exist
         grp2 = RolloutGroup(prompt=prompt, responses=grp.responses[:2], rewards=[0.0, 1.0])
         fn = group_loss_fn(grp2, GRPOConfig(), advantages(grp2.rewards, GRPOConfig()))
-        state = capture(model, torch.tensor([prompt[:-1]]), rcfg, 1)
+        state = capture(model, torch.tensor([prompt[:-1]]), rcfg)
         leaves = make_leaves(state) if mode == "exact" else None
         replay_branches(model, state, prompt[-1], grp2.responses, [0], fn, rcfg, leaves)
         _, scratch, _ = measure_peak(lambda: replay_branches(model, state, prompt[-1], grp2.responses, [1], fn, rcfg,

@@ -60,9 +60,10 @@ def _worker(rank, world_size):
     from longstraw_mcore.checkpoint.qwen3_5 import hf_to_mcore
     from longstraw_mcore.config import ParallelConfig, RunConfig
     from longstraw_mcore.loss.grpo import GRPOConfig
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.prompt_state.containers import analytic_state_bytes
+    from longstraw_mcore.families import get_family
     from longstraw_mcore.replay.engine import ReplayConfig, capture, run_group
     from longstraw_mcore.replay.reference import full_sequence_branches
 
@@ -82,7 +83,7 @@ def _worker(rank, world_size):
             for mode in ("exact", "detached"):
                 cfg = ReplayConfig(mode=mode, chunk_len=chunk)
                 loss, lp, g = grads_and_loss(model, group, gcfg, lambda fn: [
-                    r.logprobs for r in run_group(model, group.prompt, group.responses, fn, cfg, tp=1)[0]])
+                    r.logprobs for r in run_group(model, group.prompt, group.responses, fn, cfg)[0]])
                 if mode == "exact":
                     worst = max(g, key=lambda k: rel(g[k], ref_g[k]))
                     out["exact"].append(dict(P=P, G=len(lengths), chunk=chunk, loss=abs(loss - ref_loss) / abs(ref_loss),
@@ -100,7 +101,7 @@ def _worker(rank, world_size):
                                             attn_probs_budget_mib=64.0 if "stored" in variant else 0.0)
                         order = list(reversed(range(len(lengths)))) if variant == "reversed" else None
                         l2, lp2, g2 = grads_and_loss(model, group, gcfg, lambda fn: [
-                            r.logprobs for r in run_group(model, group.prompt, group.responses, fn, vcfg, tp=1,
+                            r.logprobs for r in run_group(model, group.prompt, group.responses, fn, vcfg,
                                                           order=order)[0]])
                         out["invariance"].append(dict(P=P, mode=mode, chunk=chunk, variant=variant,
                                                       grad=max(rel(g2[k], g[k]) for k in g),
@@ -109,15 +110,15 @@ def _worker(rank, world_size):
         # chunk-size invariance within each mode
         for mode in ("exact", "detached"):
             gs = [grads_and_loss(model, group, gcfg, lambda fn: [r.logprobs for r in run_group(
-                model, group.prompt, group.responses, fn, ReplayConfig(mode=mode, chunk_len=c), tp=1)[0]])[2]
+                model, group.prompt, group.responses, fn, ReplayConfig(mode=mode, chunk_len=c))[0]])[2]
                 for c in (3, 64)]
             out["invariance"].append(dict(P=P, mode=mode, chunk="3 vs 64", variant="chunk",
                                           grad=max(rel(gs[0][k], gs[1][k]) for k in gs[1]), logp=0.0, loss=0.0))
         # measured state bytes == analytic formula (exact mode keeps GDN state at chunk boundaries)
         for mode, chunk in (("detached", 5), ("exact", 5), ("exact", 64)):
-            st = capture(model, torch.tensor([group.prompt[:-1]]), ReplayConfig(mode=mode, chunk_len=chunk), tp=1)
+            st = capture(model, torch.tensor([group.prompt[:-1]]), ReplayConfig(mode=mode, chunk_len=chunk))
             n_chunks = len(st.chunk_bounds) if mode == "exact" else 0
-            out["bytes"].append((P, mode, chunk, st.nbytes_by_type(), analytic_state_bytes(m, 1, P - 1, n_chunks)))
+            out["bytes"].append((P, mode, chunk, st.nbytes_by_type(), analytic_state_bytes(get_family(m.family).layers, m, 1, P - 1, n_chunks)))
     return out
 
 
@@ -150,7 +151,7 @@ def _dpo_worker(rank, world_size):
     from longstraw_mcore.checkpoint.qwen3_5 import hf_to_mcore
     from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig
     from longstraw_mcore.loss.logprobs import token_logprobs
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.replay.group_step import process_group
 
@@ -176,7 +177,7 @@ def _dpo_worker(rank, world_size):
     ref_g = gather_full(model, grads=True)
     for mode in ("exact", "detached"):
         model.zero_grad(set_to_none=True)
-        st = process_group(model, group, ReplayConfig(mode=mode, chunk_len=5), GRPOConfig(objective="dpo", beta=beta), tp=1)
+        st = process_group(model, group, ReplayConfig(mode=mode, chunk_len=5), GRPOConfig(objective="dpo", beta=beta))
         g = gather_full(model, grads=True)
         out[mode] = dict(loss=abs(st.loss - float(ref_loss)) / float(ref_loss), grad=max(rel(g[k], ref_g[k]) for k in g))
     return out
@@ -196,7 +197,7 @@ def _ref_model_worker(rank, world_size):
     from longstraw_mcore.checkpoint.full_state import gather_full, load_full
     from longstraw_mcore.checkpoint.qwen3_5 import hf_to_mcore
     from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.replay.group_step import process_group
     from longstraw_mcore.replay.reference import full_sequence_branches
@@ -210,12 +211,12 @@ def _ref_model_worker(rank, world_size):
     group.ref_logprobs = None
     gcfg, rcfg = GRPOConfig(beta=0.3), ReplayConfig(mode="exact", chunk_len=4)
     policy.zero_grad(set_to_none=True)
-    st = process_group(policy, group, rcfg, gcfg, tp=1, ref_model=ref)
+    st = process_group(policy, group, rcfg, gcfg, ref_model=ref)
     g_ref_model = gather_full(policy, grads=True)
     # the same group with ref_logprobs scored independently (full sequence, plain forward)
     group.ref_logprobs = [lp.tolist() for lp in full_sequence_branches(ref, group.prompt, group.responses, None)]
     policy.zero_grad(set_to_none=True)
-    st2 = process_group(policy, group, rcfg, gcfg, tp=1)
+    st2 = process_group(policy, group, rcfg, gcfg)
     g_file = gather_full(policy, grads=True)
     return dict(grad=max(rel(g_ref_model[k], g_file[k]) for k in g_file), loss=abs(st.loss - st2.loss),
                 kl=st.kl_sum, ref_state_bytes=st.ref_state_bytes, ref_state_bytes_file=st2.ref_state_bytes)

@@ -17,7 +17,7 @@ def _worker(rank, world_size):
     from longstraw_mcore.checkpoint.qwen3_5 import hf_to_mcore
     from longstraw_mcore.config import ParallelConfig, RunConfig
     from longstraw_mcore.loss.grpo import GRPOConfig
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.replay.engine import ReplayConfig, run_group
 
@@ -34,7 +34,7 @@ def _worker(rank, world_size):
         for mode in ("detached", "exact"):
             cfg = ReplayConfig(mode=mode, chunk_len=6)
             res[(tp, mode)] = grads_and_loss(model, group, gcfg, lambda fn: [
-                r.logprobs for r in run_group(model, group.prompt, group.responses, fn, cfg, tp=tp)[0]])
+                r.logprobs for r in run_group(model, group.prompt, group.responses, fn, cfg)[0]])
     out = {}
     for mode in ("detached", "exact"):
         (l1, lp1, g1), (l2, lp2, g2) = res[(1, mode)], res[(2, mode)]

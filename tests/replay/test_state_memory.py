@@ -22,10 +22,11 @@ def _capture_worker(rank, world_size):
 
     from longstraw_mcore.bench.memory import measure_memory
     from longstraw_mcore.config import ParallelConfig, ReplayConfig, RunConfig
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.prompt_state import gdn
     from longstraw_mcore.prompt_state.containers import analytic_state_bytes
+    from longstraw_mcore.families import get_family
     from longstraw_mcore.replay.engine import capture
 
     out = {"capture": []}
@@ -38,19 +39,19 @@ def _capture_worker(rank, world_size):
         for mode in ("detached", "exact"):
             for chunk in (32, 80):
                 cfg = ReplayConfig(mode=mode, chunk_len=chunk)
-                st, peak, kept, _ = measure_memory(lambda: capture(model, prefix, cfg, 1), par.device)
+                st, peak, kept, _ = measure_memory(lambda: capture(model, prefix, cfg), par.device)
                 n_chunks = len(st.chunk_bounds) if mode == "exact" else 0
                 out["capture"].append(dict(layers=layers, mode=mode, chunk=chunk, peak=peak, kept=kept,
-                                           storage=st.nbytes(), analytic=sum(analytic_state_bytes(m, 1, P - 1, n_chunks)
+                                           storage=st.nbytes(), analytic=sum(analytic_state_bytes(get_family(m.family).layers, m, 1, P - 1, n_chunks)
                                                                              .values())))
         if layers == 6:  # control: the old conv window, a view that pins the chunk's padded input
             real = gdn.own_storage
             gdn.own_storage = lambda t: t.detach()
             try:
-                st, _, kept, _ = measure_memory(lambda: capture(model, prefix, ReplayConfig(chunk_len=80), 1), par.device)
+                st, _, kept, _ = measure_memory(lambda: capture(model, prefix, ReplayConfig(chunk_len=80)), par.device)
             finally:
                 gdn.own_storage = real
-            out["control"] = dict(kept=kept, storage=st.nbytes(), analytic=sum(analytic_state_bytes(m, 1, P - 1).values()))
+            out["control"] = dict(kept=kept, storage=st.nbytes(), analytic=sum(analytic_state_bytes(get_family(m.family).layers, m, 1, P - 1).values()))
 
     return out
 
@@ -62,9 +63,10 @@ def _grad_worker(rank, world_size):
     from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig
     from longstraw_mcore.data.rollouts import RolloutGroup
     from longstraw_mcore.loss.grpo import advantages, group_loss_fn
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.prompt_state.containers import analytic_state_grad_bytes
+    from longstraw_mcore.families import get_family
     from longstraw_mcore.replay.engine import capture, make_leaves, replay_branches
 
     out = {"grad": {}}
@@ -80,14 +82,14 @@ def _grad_worker(rank, world_size):
                                                  for _ in range(2)], rewards=[0.0, 1.0])
     fn = group_loss_fn(grp, GRPOConfig(), advantages(grp.rewards, GRPOConfig()))
     for mode in ("detached", "exact"):
-        st = capture(model, torch.tensor([prompt[:-1]]), ReplayConfig(mode=mode, chunk_len=256), 1)
+        st = capture(model, torch.tensor([prompt[:-1]]), ReplayConfig(mode=mode, chunk_len=256))
         if mode == "exact":
             make_leaves(st)
         replay_branches(model, st, prompt[-1], grp.responses, [0], fn, ReplayConfig(mode=mode))  # warm: .grad exist
         _, peak, _, _ = measure_memory(lambda: replay_branches(model, st, prompt[-1], grp.responses, [1], fn,
                                                                ReplayConfig(mode=mode)), par.device)
         out["grad"][mode] = dict(peak=peak, grad_bytes=st.grad_nbytes(),
-                                 analytic=analytic_state_grad_bytes(m, 1, P - 1),
+                                 analytic=analytic_state_grad_bytes(get_family(m.family).layers, m, 1, P - 1),
                                  dtypes=sorted({str(t.dtype) for s in st.layers.values() for t in s.grad_tensors()}))
     hk, d = m.num_key_value_heads, m.head_dim
     out["one_layer_kv_f32"] = 2 * (P - 1) * hk * d * 4

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from longstraw_mcore.ops.attention import cached_causal_attention
-from longstraw_mcore.ops.block_attention import block_attention, merge_attention
+from longstraw_mcore.ops.attention import block_attention, merge_attention
 
 F64 = torch.float64
 

@@ -102,7 +102,7 @@ def _worker(rank, world_size, tmp):
 
     # 4) a Megatron checkpoint missing a tensor: load fails naming it, before touching the model
     from longstraw_mcore.config import ParallelConfig, RunConfig
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
 
     m64 = tiny_model_config()
@@ -146,9 +146,11 @@ def _layout_worker(rank, world_size, tmp):
     from longstraw_mcore.checkpoint.convert import load_hf_into_model
     from longstraw_mcore.checkpoint.dist_ckpt import load_checkpoint
     from longstraw_mcore.config import ParallelConfig, RunConfig
-    from longstraw_mcore.models.qwen3_5 import build_model, gather_vocab
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.families.qwen3_5 import build_model
+    from longstraw_mcore.models.language_model import gather_vocab
     from longstraw_mcore.parallel.groups import setup_parallel
-    from longstraw_mcore.pipeline import forward_backward
+    from longstraw_mcore.replay.pipeline import forward_backward
 
     m = tiny_model_config()
     with LiftFloat32ToFloat64():
@@ -159,7 +161,7 @@ def _layout_worker(rank, world_size, tmp):
     logits = {}
     for how in ("hf", "mcore"):
         model = build_model(m, par, "cpu")
-        load_hf_into_model(model, f"{tmp}/hf", expect=m) if how == "hf" else load_checkpoint(model, f"{tmp}/mc")
+        load_hf_into_model(get_family(m.family), model, f"{tmp}/hf", expect=m) if how == "hf" else load_checkpoint(model, f"{tmp}/mc")
         res = forward_backward(model, par, [ids], lambda lg: (lg.sum() * 0, {"logits": gather_vocab(
             lg, par.pgs.tp).detach().clone()}), forward_only=True)
         logits[how] = res[0]["logits"]
@@ -170,11 +172,12 @@ def _convert_worker(rank, world_size, tmp):
     from hf_reference import LiftFloat32ToFloat64, build_hf_model, tiny_model_config
 
     from longstraw_mcore.checkpoint.convert import hf_to_mcore_dir
+    from longstraw_mcore.families import get_family
 
     with LiftFloat32ToFloat64():
         hf = build_hf_model(tiny_model_config(), seed=4)
     hf.save_pretrained(f"{tmp}/hf")
-    hf_to_mcore_dir(f"{tmp}/hf", f"{tmp}/mc", tp=2, pp=2, log=lambda *_: None)
+    hf_to_mcore_dir(get_family("qwen3_5"), f"{tmp}/hf", f"{tmp}/mc", tp=2, pp=2, log=lambda *_: None)
 
 
 def test_converted_checkpoint_loads_at_tp2_pp2(tmp_path):

@@ -165,15 +165,16 @@ def test_equals_transformers_glm_moe_dsa_attention():
 def test_glm_5_2_state_bytes_per_position():
     """GLM-5.2 in bf16 keeps 95,232 B per prompt position (../shared/notes/architectures.md): the MLA
     latent + RoPE key (512 + 64) on all 78 layers and the 128-dim indexer key on its 21 full layers."""
-    from longstraw_mcore.families.glm_dsa import glm_5_2
+    from longstraw_mcore.config import glm_5_2
     from longstraw_mcore.prompt_state.containers import analytic_state_bytes
+    from longstraw_mcore.families import get_family
 
     m = glm_5_2()
     assert m.indexer_types.count("full") == 21 and m.mlp_types.count("moe") == 75
-    per = analytic_state_bytes(m, 1, 1)
+    per = analytic_state_bytes(get_family(m.family).layers, m, 1, 1)
     assert per == {"mla_latent": 78 * 576 * 2, "dsa_index_keys": 21 * 128 * 2}
     assert sum(per.values()) == 95_232
-    total = sum(analytic_state_bytes(m, 1, 2**21).values())
+    total = sum(analytic_state_bytes(get_family(m.family).layers, m, 1, 2**21).values())
     print(f"GLM-5.2 prompt state at 2^21 positions: {total / 2**30:.1f} GiB ({total / 32 / 2**30:.2f} GiB per rank "
           "over 32 sequence shards)")
     assert round(total / 2**30) == 186
@@ -187,7 +188,7 @@ def test_glm_bad_input_is_refused_with_the_value():
     from longstraw_mcore.checkpoint.common import CheckpointError
     from longstraw_mcore.checkpoint.glm_dsa import hf_shapes, hf_to_mcore
     from longstraw_mcore.config import ConfigError, ParallelConfig
-    from longstraw_mcore.families.glm_dsa import glm_5_2
+    from longstraw_mcore.config import glm_5_2
 
     with pytest.raises(ConfigError, match=r"model.index_topk=0: must be a positive integer"):
         glm_5_2(index_topk=0)

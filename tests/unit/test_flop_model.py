@@ -2,8 +2,10 @@
 counts on the real code path, FLOP for FLOP: branch replay in both modes, with the attention
 probabilities recomputed or stored, naive full-sequence GRPO, at TP=1 and TP=2 (per rank), for
 prompt/branch lengths that are not multiples of the attention block, the GDN chunk or the capture
-chunk, a one-token branch and a one-token prompt. The benchmark's "measured / minimum" ratios rest
-on this model, so it must be exact, not close."""
+chunk, a one-token branch and a one-token prompt. GLM-5.x (planner/flops_mla.py) likewise at TP=1, on
+the tiny GLM config at 8 layers (full and shared indexer layers, dense and MoE MLPs): both modes and
+naive, keys past the top-k and past an indexer block, a one-token prompt. The benchmark's "measured /
+minimum" ratios and `longstraw plan`'s FLOPs rest on this model, so it must be exact, not close."""
 
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ def _worker(rank, world_size):
     from longstraw_mcore.config import ParallelConfig, ReplayConfig, RunConfig, load_config
     from longstraw_mcore.data.rollouts import RolloutGroup
     from longstraw_mcore.loss.grpo import GRPOConfig, advantages, group_loss_fn
-    from longstraw_mcore.models.qwen3_5 import build_model
+    from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.planner.flops import naive_flops, step_flops
+    from longstraw_mcore.families import get_family
     from longstraw_mcore.replay.engine import stores_attention_probs
     from longstraw_mcore.replay.group_step import process_group
     from longstraw_mcore.replay.reference import full_sequence_branches
@@ -46,13 +49,13 @@ def _worker(rank, world_size):
                     assert len(set(store)) == 1
                     model.zero_grad(set_to_none=True)
                     with FlopCounterMode(display=False) as fc:
-                        process_group(model, group, rc, gcfg, tp)
-                    an = step_flops(m, P, lens, mode, 128, tp, store_probs=store[0])
+                        process_group(model, group, rc, gcfg)
+                    an = step_flops(get_family(m.family).layers, m, P, lens, mode, 128, tp, store_probs=store[0])
                     rows.append((tp, P, mode, budget, store[0], fc.get_total_flops(), an["algorithm"]["total"]))
             fn = group_loss_fn(group, gcfg, advantages(group.rewards, gcfg))
             with FlopCounterMode(display=False) as fc:
                 full_sequence_branches(model, prompt, resp, fn, 32)
-            rows.append((tp, P, "naive", 0.0, False, fc.get_total_flops(), naive_flops(m, P, lens, tp)["algorithm"]))
+            rows.append((tp, P, "naive", 0.0, False, fc.get_total_flops(), naive_flops(get_family(m.family).layers, m, P, lens, tp)["algorithm"]))
         # the budget is a threshold on the bytes: one byte short of a branch's probabilities = recompute
         heads = m.num_attention_heads // tp * m.layer_types.count("full_attention")
         need = heads * 40 * 139 * 4
@@ -70,14 +73,54 @@ def _worker(rank, world_size):
     for mode in ("detached", "exact"):
         rc = ReplayConfig(mode=mode, chunk_len=128, logprob_chunk=32)
         with FlopCounterMode(display=False) as fc:
-            process_group(model, group, rc, gcfg, 2)
+            process_group(model, group, rc, gcfg)
         rows.append(("gdn-last", 140, mode, 0.0, False, fc.get_total_flops(),
-                     step_flops(m7, len(group.prompt), [len(r) for r in group.responses], mode, 128, 2)["algorithm"]["total"]))
+                     step_flops(get_family(m7.family).layers, m7, len(group.prompt), [len(r) for r in group.responses],
+                                mode, 128, 2)["algorithm"]["total"]))
+    return {"qwen": rows, "glm": _glm_rows(root)}
+
+
+def _glm_rows(root):
+    """GLM-5.2-tiny at 8 layers (indexer full on 0, 1, 2, 6; MoE from 3), TP=1: index_block=5 and
+    index_topk=8 below the keys a query sees, chunks of 7 over a 41-token prompt."""
+    import os
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig, load_config
+    from longstraw_mcore.data.rollouts import RolloutGroup
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.loss.grpo import advantages, group_loss_fn
+    from longstraw_mcore.parallel.groups import setup_parallel
+    from longstraw_mcore.planner.flops import naive_flops, step_flops
+    from longstraw_mcore.replay.group_step import process_group
+    from longstraw_mcore.replay.reference import full_sequence_branches
+
+    m = load_config(os.path.join(root, "configs", "glm-5.2-tiny.yaml"),
+                    ["model.num_layers=8", "model.index_block=5"]).model
+    family = get_family(m.family)
+    model = family.build_model(m, setup_parallel(RunConfig(model=m, parallel=ParallelConfig(), device="cpu")), "cpu")
+    g, gcfg, rows = torch.Generator().manual_seed(1), GRPOConfig(), []
+    for P, lens in ((41, [1, 9, 4]), (1, [5, 2])):
+        prompt = torch.randint(0, m.vocab_size, (P,), generator=g).tolist()
+        resp = [torch.randint(0, m.vocab_size, (n,), generator=g).tolist() for n in lens]
+        group = RolloutGroup(prompt=prompt, responses=resp, rewards=[float(i) for i in range(len(lens))])
+        for mode in ("detached", "exact"):
+            model.zero_grad(set_to_none=True)
+            with FlopCounterMode(display=False) as fc:
+                process_group(model, group, ReplayConfig(mode=mode, chunk_len=7, logprob_chunk=4), gcfg)
+            rows.append((P, mode, fc.get_total_flops(),
+                         step_flops(family.layers, m, P, lens, mode, 7)["algorithm"]["total"]))
+        with FlopCounterMode(display=False) as fc:
+            full_sequence_branches(model, prompt, resp, group_loss_fn(group, gcfg, advantages(group.rewards, gcfg)), 4)
+        rows.append((P, "naive", fc.get_total_flops(), naive_flops(family.layers, m, P, lens)["algorithm"]))
     return rows
 
 
 def test_flop_model_equals_flop_counter():
-    rows = run_ranks(_worker, 2, timeout_s=600)[0]
+    res = run_ranks(_worker, 2, timeout_s=600)[0]
+    rows = res["qwen"]
     thresholds = [r for r in rows if r[1] == "threshold"]
     counts = [r for r in rows if r[1] != "threshold"]
     for tp, P, mode, budget, store, measured, analytic in counts:
@@ -93,3 +136,9 @@ def test_flop_model_equals_flop_counter():
             assert by[(tp, 140, mode, True)] < by[(tp, 140, mode, False)]
     for tp, _, at, below in thresholds:
         assert at and not below, (tp, at, below)
+    glm = res["glm"]
+    for P, mode, measured, analytic in glm:
+        print(f"GLM P={P} {mode:>8}: FlopCounterMode {measured:,} analytic {analytic:,.0f}")
+    assert len(glm) == 2 * 3
+    for P, mode, measured, analytic in glm:
+        assert measured == analytic and measured > 0, (P, mode, measured, analytic)

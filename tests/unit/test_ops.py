@@ -114,7 +114,7 @@ def test_partial_rope_is_the_reference_mrope_for_text_positions():
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding, apply_rotary_pos_emb
 
-    from longstraw_mcore.checkpoint.hf import hf_config_dict
+    from longstraw_mcore.checkpoint.qwen3_5 import hf_config_dict
 
     m = tiny_model_config(head_dim=64, partial_rotary_factor=0.5, rope_theta=1e6)
     raw = {k: v for k, v in hf_config_dict(m).items() if k not in ("architectures", "model_type", "dtype")}

@@ -22,36 +22,39 @@ def _cfg(path, *overrides):
 
 def test_state_formulas_by_hand():
     from longstraw_mcore.prompt_state.containers import analytic_state_bytes
+    from longstraw_mcore.families import get_family
 
     q = _cfg("configs/qwen3.6-27b.yaml").model
     attn = [t for t in q.layer_types if t == "full_attention"]
     assert len(attn) == 16
     # K and V: 4 KV heads x 256 dims x 2 (K, V) x 2 B x 16 layers = 64 KiB per position in bf16
-    assert sum(analytic_state_bytes(q, 1, 1, layer_types=attn).values()) == 4 * 256 * 2 * 2 * 16 == 64 * 1024
+    assert sum(analytic_state_bytes(get_family(q.family).layers, q, 1, 1, layer_types=attn).values()) == 4 * 256 * 2 * 2 * 16 == 64 * 1024
     g = _cfg("configs/glm-5.2.yaml").model
     # (512 + 64) x 2 B x 78 layers + 128 x 2 B x 21 full indexer layers = 95,232 B per position
-    assert sum(analytic_state_bytes(g, 1, 1).values()) == 576 * 2 * 78 + 128 * 2 * 21 == 95_232
+    assert sum(analytic_state_bytes(get_family(g.family).layers, g, 1, 1).values()) == 576 * 2 * 78 + 128 * 2 * 21 == 95_232
 
 
 def test_parameter_count_equals_the_reference_models():
     from hf_reference import build_hf_model, tiny_model_config
 
     from longstraw_mcore.planner.memory import rank_params
+    from longstraw_mcore.families import get_family
 
     m = tiny_model_config()
     params = list(build_hf_model(m, seed=0).parameters())
     total = sum(p.numel() for p in params)
     vectors = sum(p.numel() for p in params if p.dim() == 1)
     assert m.padded_vocab_size(2) == m.vocab_size  # no padding to account for below
-    assert rank_params(m, 1, 1, [m.num_layers], 0) == total
+    assert rank_params(get_family(m.family), m, 1, 1, [m.num_layers], 0) == total
     # two stages hold everything once between them; TP=2 halves every matrix, vectors are replicated
-    assert sum(rank_params(m, 1, 1, [3, m.num_layers - 3], s) for s in range(2)) == total
-    assert rank_params(m, 2, 1, [m.num_layers], 0) == (total - vectors) // 2 + vectors
+    assert sum(rank_params(get_family(m.family), m, 1, 1, [3, m.num_layers - 3], s) for s in range(2)) == total
+    assert rank_params(get_family(m.family), m, 2, 1, [m.num_layers], 0) == (total - vectors) // 2 + vectors
 
 
 def test_qwen_27b_2m_tokens_plan_is_consistent():
     from longstraw_mcore.commands.plan import plan
     from longstraw_mcore.planner.memory import plan_memory
+    from longstraw_mcore.families import get_family
 
     cfg = _cfg("configs/qwen3.6-27b.yaml", "parallel.tp=4", "parallel.cp=2", "replay.mode=detached")
     P = 2_097_152
@@ -66,8 +69,8 @@ def test_qwen_27b_2m_tokens_plan_is_consistent():
     assert set(res) >= {"per_rank_bytes", "total_per_rank_bytes", "device_bytes", "fits", "max_prompt_len", "flops"}
     mx = res["max_prompt_len"]
     if mx:
-        assert sum(plan_memory(cfg, mx, 1024, 8, 8, cuda=True).values()) <= res["device_bytes"]
-    assert sum(plan_memory(cfg, mx + 1, 1024, 8, 8, cuda=True).values()) > res["device_bytes"]
+        assert sum(plan_memory(get_family(cfg.model.family), cfg, mx, 1024, 8, 8, cuda=True).values()) <= res["device_bytes"]
+    assert sum(plan_memory(get_family(cfg.model.family), cfg, mx + 1, 1024, 8, 8, cuda=True).values()) > res["device_bytes"]
     assert res["flops"]["capture"] > res["flops"]["replay"] > 0
 
 
@@ -87,7 +90,8 @@ def test_plan_cli_json_and_bad_input():
     assert rc == 0 and json.loads(out)["inputs"]["layout"]["dp"] == 1
     rc, out, _ = _plan_cli("--config", os.path.join(ROOT, "configs/glm-5.2.yaml"), "--prompt-len", "2097152",
                            "--response-len", "1024", "--group-size", "8", "--gpus", "32", "parallel.cp=4")
-    assert rc == 0 and "GiB per rank" in out and "no analytic FLOP model" in out
+    # GLM-5.x has its FLOP model too (planner/flops_mla.py, equal to the FLOP counter: tests/unit/test_flop_model.py)
+    assert rc == 0 and "GiB per rank" in out and "| capture |" in out and "| replay |" in out
     for argv, want in [
         (("--gpus", "6"), "world size 6 is not divisible by tp*pp*cp = 4*1*1"),
         (("--gpus", "4", "--prompt-len", "0"), "prompt length 0: must be a positive integer"),
@@ -151,7 +155,7 @@ def test_validate_and_train_refuse_a_run_the_plan_does_not_fit(tmp_path, monkeyp
 def test_glm_5_2_config_file_holds_the_real_dimensions():
     import dataclasses
 
-    from longstraw_mcore.families.glm_dsa import glm_5_2
+    from longstraw_mcore.config import glm_5_2
 
     for path in ("configs/glm-5.2.yaml", "configs/glm-5.2-32xh20.yaml"):
         assert dataclasses.asdict(_cfg(path).model) == dataclasses.asdict(glm_5_2()), path

@@ -79,7 +79,7 @@ def _worker(rank, world_size, tp):
         state = capture(model, torch.randint(0, m.vocab_size, (1, P - 1), generator=g), cfg.replay)
         per = _saved_per_layer(model, state, torch.randint(0, m.vocab_size, (1, T), generator=g), P)
         for layer in (0, 3):  # Gated DeltaNet, gated attention
-            rows.append((dtype, tp, m.layer_types[layer], T, per[layer], layer_bytes(m, tp, T, layer)))
+            rows.append((dtype, tp, m.layer_types[layer], T, per[layer], layer_bytes(get_family(m.family).layers, m, tp, T, layer)))
     for dtype, T in GLM_CASES if tp == 1 else []:
         cfg = load_config(os.path.join(root, "configs", "glm-5.2-tiny.yaml"),
                           [f"model.dtype={dtype}", "model.num_layers=4", "device=cpu"])
@@ -91,7 +91,7 @@ def _worker(rank, world_size, tp):
         per = _saved_per_layer(model, state, torch.randint(0, m.vocab_size, (1, T), generator=g), P)
         for layer in (1, 3):  # MLA + dense MLP, MLA + MoE
             kind = f"mla_{m.mlp_types[layer]}"
-            rows.append((dtype, tp, kind, T, per[layer], layer_bytes(m, tp, T, layer, keys=P - 1 + T)))
+            rows.append((dtype, tp, kind, T, per[layer], layer_bytes(get_family(m.family).layers, m, tp, T, layer, keys=P - 1 + T)))
     return rows
 
 

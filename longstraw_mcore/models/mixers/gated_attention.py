@@ -1,6 +1,7 @@
 """Gated full attention (Qwen3.5/3.6 `full_attention` layers) on Megatron tensor parallel.
 
-Legend: S tokens, B batch, P cached positions, D head_dim; Hq / Hk heads local to this TP rank.
+Shapes (package legend): T tokens of the call, B batch, P cached positions, D head_dim; Hq / Hk heads
+local to this TP rank.
 
     [q | gate] = linear_q(x)            per head: D query dims then D gate dims (the reference layout)
     q = q_norm(q), k = k_norm(linear_k(x)), v = linear_v(x)      zero-centred RMSNorm over D
@@ -13,7 +14,8 @@ With more TP ranks than KV heads, the ranks sharing a KV head (a KV group) each 
 (`KVGroupLinear`) and shard its prompt state by sequence (parallel/kv_group.py).
 The cached state is K (after k-norm and RoPE) and V of earlier positions: the mixer hands the K/V of
 its own positions to the context (`ctx.key_sets`) and attends to the key sets it gets back, through
-the one attention entry point (`ops.attention.attention`).
+the one attention entry point (`ops.attention.attention`). Without a context (a plain forward) it
+asks `NO_STATE`, the stateless single-rank hooks (prompt_state/hooks.py).
 """
 
 from __future__ import annotations
@@ -26,15 +28,8 @@ from megatron.core.transformer.module import MegatronModule
 
 from longstraw_mcore.models.mixers.common import sharded_state_dict_with_tp_params
 from longstraw_mcore.models.norms import ZeroCenteredRMSNorm
-from longstraw_mcore.ops.attention import KeySet, apply_partial_rope, attention, rope_cos_sin
-
-
-def _plain_attend(q, keys, q_start, block, kv=None):
-    if kv is not None:
-        from longstraw_mcore.parallel.kv_group import group_attention
-
-        return group_attention(q, [], keys, q_start, kv, block=block)
-    return attention(q, keys, q_start, block=block)
+from longstraw_mcore.ops.rope import apply_partial_rope, rope_cos_sin
+from longstraw_mcore.prompt_state.hooks import NO_STATE
 
 
 @dataclass
@@ -45,7 +40,7 @@ class GatedAttentionSubmodules:
 
 class GatedAttentionMixer(MegatronModule):
     def __init__(self, config, submodules: GatedAttentionSubmodules, layer_number: int, pg_collection=None,
-                 model_cfg=None, **kwargs):
+                 model_cfg=None, kv=None, **kwargs):
         super().__init__(config=config)
         m = model_cfg
         assert m is not None, "GatedAttentionMixer needs model_cfg (the spec builder passes it)"
@@ -53,7 +48,7 @@ class GatedAttentionMixer(MegatronModule):
         self.tp_group = pg_collection.tp
         tp = self.tp_group.size()
         # tp > KV heads: this rank's KV head is shared with its KV group (parallel/kv_group.py)
-        self.kv = getattr(pg_collection, "tp_kv", None)
+        self.kv = kv
         self.hq, self.d = m.num_attention_heads // tp, m.head_dim
         self.hk = 1 if self.kv is not None else m.num_key_value_heads // tp
         self.rotary_dim, self.rope_theta = m.rotary_dim, m.rope_theta
@@ -86,33 +81,30 @@ class GatedAttentionMixer(MegatronModule):
 
     def _own_kv(self, x: torch.Tensor, pos: torch.Tensor):
         """K (after k-norm and RoPE) and V of this call's tokens at positions `pos`, and the RoPE angles.
-        x [B, S, Hd]."""
-        B, S, _ = x.shape
+        x [B, T, Hd]."""
+        B, T, _ = x.shape
         k, _ = self.linear_k(x)
         v, _ = self.linear_v(x)
-        k = self.k_norm(k.reshape(B, S, self.hk, self.d))
-        v = v.reshape(B, S, self.hk, self.d)
+        k = self.k_norm(k.reshape(B, T, self.hk, self.d))
+        v = v.reshape(B, T, self.hk, self.d)
         cos, sin = rope_cos_sin(pos, self.rotary_dim, self.rope_theta, x.dtype)
         return apply_partial_rope(k, cos, sin), v, cos, sin
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, **kwargs):
-        """hidden_states [S, B, Hd] -> (out [S, B, Hd], None). Asks the context for its key sets."""
-        ctx = inference_context
-        offset = ctx.position_offset if ctx is not None else 0
-        S, B, _ = hidden_states.shape
-        x = hidden_states.transpose(0, 1)                                       # [B, S, Hd]
-        pos = ctx.positions(S, x.device) if ctx is not None else torch.arange(S, device=x.device)
-        k, v, cos, sin = self._own_kv(x, pos)
+        """hidden_states [T, B, Hd] -> (out [T, B, Hd], None). Asks the context for its key sets."""
+        ctx = inference_context if inference_context is not None else NO_STATE
+        T, B, _ = hidden_states.shape
+        x = hidden_states.transpose(0, 1)                                       # [B, T, Hd]
+        k, v, cos, sin = self._own_kv(x, ctx.positions(T, x.device))
         # The context turns this call's K/V into the key sets to attend to (and keeps what it must):
         # the cached positions read in place and these positions, one softmax over their union.
-        keys = ctx.key_sets(self.layer_number, k, v) if ctx is not None else [KeySet(k, v, offset)]
-        attend = ctx.attend if ctx is not None else _plain_attend
+        keys = ctx.key_sets(self.layer_number, k, v)
         qg, _ = self.linear_q(x)
-        qg = qg.reshape(B, S, self.hq, 2 * self.d)
+        qg = qg.reshape(B, T, self.hq, 2 * self.d)
         q, gate = qg[..., :self.d], qg[..., self.d:]
         q = apply_partial_rope(self.q_norm(q), cos, sin)
-        o, _ = attend(q, keys, offset, self.block, self.kv)
-        o = o.reshape(B, S, self.hq * self.d) * torch.sigmoid(gate.reshape(B, S, self.hq * self.d))
+        o, _ = ctx.attend(q, keys, ctx.position_offset, self.block, self.kv)
+        o = o.reshape(B, T, self.hq * self.d) * torch.sigmoid(gate.reshape(B, T, self.hq * self.d))
         out, _ = self.linear_proj(o.transpose(0, 1).contiguous())
         return out, None
 

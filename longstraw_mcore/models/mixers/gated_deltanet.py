@@ -1,6 +1,7 @@
 """Gated DeltaNet token mixer (Qwen3.5/3.6 `linear_attention` layers) on Megatron tensor parallel.
 
-Legend: S tokens, B batch, Hd hidden; hk key heads and Hv value heads *local to this TP rank*.
+Shapes (package legend): T tokens of the call, B batch, Hd hidden; hk key heads and Hv value heads
+*local to this TP rank*.
 
     q, k, v = in_proj_{q,k,v}(x);  z = in_proj_z(x);  b = in_proj_b(x);  a = in_proj_a(x)
     q, k, v = silu(causal_conv([q, k, v]))             depthwise, kernel W, continuing the cached window
@@ -26,10 +27,10 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.module import MegatronModule
 
 from longstraw_mcore.models.mixers.common import full_then_shard, sharded_state_dict_with_tp_params
-from longstraw_mcore.models.mixers.state import GDNState
 from longstraw_mcore.models.norms import GatedRMSNorm
 from longstraw_mcore.ops.dispatch import gdn_kernel
 from longstraw_mcore.ops.gated_delta import causal_conv1d
+from longstraw_mcore.prompt_state.hooks import NO_STATE, GDNState
 
 
 @dataclass
@@ -120,26 +121,25 @@ class GatedDeltaNetMixer(MegatronModule):
 
     def _mix(self, hidden_states, ctx):
         """Token-local projections, then the sequence core through the context (which handles the
-        state, and under context parallelism the head/sequence exchange). Returns o [B, S, Hv, Dv]."""
-        S, B, _ = hidden_states.shape
+        state, and under context parallelism the head/sequence exchange). Returns o [B, T, Hv, Dv]."""
+        T, B, _ = hidden_states.shape
         q, _ = self.in_proj_q(hidden_states)
         k, _ = self.in_proj_k(hidden_states)
         v, _ = self.in_proj_v(hidden_states)
         b, _ = self.in_proj_b(hidden_states)
         a, _ = self.in_proj_a(hidden_states)
-        inputs = (q.transpose(0, 1).reshape(B, S, self.hk, self.dk), k.transpose(0, 1).reshape(B, S, self.hk, self.dk),
-                  v.transpose(0, 1).reshape(B, S, self.hv, self.dv), b.transpose(0, 1), a.transpose(0, 1))
-        if ctx is None:
-            return self._core(*inputs, heads=(0, self.hk), state=None)[0]
+        inputs = (q.transpose(0, 1).reshape(B, T, self.hk, self.dk), k.transpose(0, 1).reshape(B, T, self.hk, self.dk),
+                  v.transpose(0, 1).reshape(B, T, self.hv, self.dv), b.transpose(0, 1), a.transpose(0, 1))
         return ctx.recurrent(self.layer_number, self._core, inputs, self.hk)
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, **kwargs):
-        """hidden_states [S, B, Hd] -> (out [S, B, Hd], None). Reads/writes `GDNState` via the context."""
-        S, B, _ = hidden_states.shape
-        o = self._mix(hidden_states, inference_context)
+        """hidden_states [T, B, Hd] -> (out [T, B, Hd], None). Reads/writes `GDNState` via the context
+        (`NO_STATE` without one: the core starts from no state)."""
+        T, B, _ = hidden_states.shape
+        o = self._mix(hidden_states, inference_context if inference_context is not None else NO_STATE)
         z, _ = self.in_proj_z(hidden_states)
-        z = z.transpose(0, 1).reshape(B, S, self.hv, self.dv)
-        o = self.norm(o.to(hidden_states.dtype), z).reshape(B, S, self.hv * self.dv)
+        z = z.transpose(0, 1).reshape(B, T, self.hv, self.dv)
+        o = self.norm(o.to(hidden_states.dtype), z).reshape(B, T, self.hv * self.dv)
         out, _ = self.out_proj(o.transpose(0, 1).contiguous())
         return out, None
 

@@ -1,4 +1,4 @@
-"""Branch replay across pipeline stages: the plan (replay/plan.py) run through Megatron's pipeline engine.
+"""The replay plan through Megatron's pipeline engine, and the one place this package calls its schedule.
 
 Each stage keeps the prompt state of its own layers. A plan runs as at most two calls of Megatron's
 schedule (`get_forward_backward_func`, shapes exchanged per micro-batch: `variable_seq_lengths`,
@@ -35,6 +35,14 @@ end-of-backward callback), the stage finishes the chunk and calls the model's `m
 Megatron divides each micro-batch's loss by the number of micro-batches; `_loss` hands it the loss
 times that number so the gradient is the plain sum of the branches' terms, as at pp=1.
 
+The state's transitions (replay/plan.py) run between the schedule calls, on every stage: after the
+capture schedule (finish_capture: its seconds count as capture), before and after the replay schedule
+(enable_grad, release_grad: counted as replay, with which the sweep interleaves).
+
+`forward_once` is one forward-only micro-batch (sampling's decode step), `forward_backward` feeds
+token batches through the stages with a loss on the logits (`longstraw smoke`); all three reach
+Megatron's `get_forward_backward_func` through `schedule`.
+
 Megatron's interleaved (virtual) stages are not used: the model builds one chunk of layers per rank
 and the state containers are per rank. What they would buy is a smaller bubble, (pp-1)/(M+pp-1)
 of a schedule of M micro-batches, and here M is large where the time is: capture and the sweep run
@@ -44,15 +52,15 @@ one micro-batch per chunk (a 2M-token prompt in 16K chunks is 128), so their bub
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from longstraw_mcore.parallel.cp import CPLayout
 from longstraw_mcore.prompt_state.containers import PromptState
-from longstraw_mcore.prompt_state.contexts import RecomputeContext
-from longstraw_mcore.replay import engine as E
-from longstraw_mcore.replay.plan import Step
+from longstraw_mcore.replay import steps as S
+from longstraw_mcore.replay.plan import TRANSITIONS, Step
 
 
 class _StageOutput(torch.autograd.Function):
@@ -77,23 +85,31 @@ def _loss(value: torch.Tensor, n_micro: int):
     return value * n_micro, torch.ones((), dtype=torch.int), {}
 
 
-def _schedule(core, model, steps: list[Step], forward_step, forward_only: bool) -> None:
+def schedule(model, pgs, config, data: list, forward_step, forward_only: bool, seq_length: int = 1,
+             micro_batch_size: int = 1):
+    """Megatron's schedule over the micro-batches `data` (no pipelining at pp = 1, 1F1B otherwise;
+    explicit process groups); returns what it returns (the last stage's reported values)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    pgs = core.pg_collection
+    kwargs = dict(forward_step_func=forward_step, data_iterator=iter(data), model=[model], num_microbatches=len(data),
+                  seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only)
+    if pgs.pp.size() > 1:  # explicit groups: Megatron wants the communicator and the collection together
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        kwargs.update(p2p_communicator=P2PCommunicator(pp_group=pgs.pp, config=config), pg_collection=pgs)
+    return get_forward_backward_func(pp_size=pgs.pp.size())(**kwargs)
+
+
+def _replay_schedule(core, model, steps: list[Step], forward_step, forward_only: bool) -> None:
     assert core.config.variable_seq_lengths, "pipeline replay needs variable_seq_lengths (models set it at pp > 1)"
-    get_forward_backward_func(pp_size=pgs.pp.size())(
-        forward_step_func=forward_step, data_iterator=iter(steps), model=[model], num_microbatches=len(steps),
-        seq_length=1, micro_batch_size=1, forward_only=forward_only,
-        p2p_communicator=P2PCommunicator(pp_group=pgs.pp, config=core.config), pg_collection=pgs)
+    schedule(model, core.pg_collection, core.config, steps, forward_step, forward_only)
 
 
 def forward_once(model, forward, read):
     """One forward-only micro-batch through the pipeline (no autograd): `forward()` runs this stage's
     layers (its input arrives from the previous stage, its output goes to the next); on the last
     stage `read(output)` takes what it needs. Returns read's value on the last stage, None elsewhere."""
-    core = E._core(model)
+    core = S.core_of(model)
     box = []
 
     def forward_step(data_iterator, model_):
@@ -106,8 +122,31 @@ def forward_once(model, forward, read):
 
         return out, loss
 
-    _schedule(core, model, [None], forward_step, forward_only=True)
+    _replay_schedule(core, model, [None], forward_step, forward_only=True)
     return box[0] if box else None
+
+
+def forward_backward(model, par, batches: list[torch.Tensor], loss_fn: Callable, forward_only: bool = False):
+    """Each micro-batch of token ids through the stages (`longstraw smoke`): `loss_fn` receives the
+    vocab-parallel logits `[B, T, V/tp]` on the last stage and returns `(scalar loss, dict of float
+    metrics)`; the schedule divides the loss by the number of micro-batches, as Megatron does. Returns,
+    on every rank, the per-micro-batch values `loss_fn` reported."""
+    if not batches:
+        raise ValueError("forward_backward: no micro-batches")
+    shape = tuple(batches[0].shape)
+    if any(tuple(b.shape) != shape for b in batches):
+        raise ValueError(f"micro-batches must share one shape [B, T]; got {[tuple(b.shape) for b in batches]}")
+
+    def forward_step(data_iterator, model_):
+        return model_(next(data_iterator).to(par.device)), loss_fn
+
+    results = schedule(model, par.pgs, model.config, batches, forward_step, forward_only, seq_length=shape[1],
+                       micro_batch_size=shape[0])
+    if par.pp == 1:  # results live on the last stage; give every rank the same list
+        return results
+    box = [results if par.is_last_stage else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(par.pgs.pp, par.pp - 1), group=par.pgs.pp)
+    return box[0]
 
 
 def _capture(core, model, steps: list[Step], g, state: PromptState, layout: CPLayout | None) -> None:
@@ -116,11 +155,10 @@ def _capture(core, model, steps: list[Step], g, state: PromptState, layout: CPLa
 
     def forward_step(data_iterator, model_):
         step = next(data_iterator)
-        out = E.capture_chunk(core, state, step, g, layout, keep)
+        out = S.capture_chunk(core, state, step, g, layout, keep)
         return out, lambda _: _loss(out.new_zeros(()), n)
 
-    _schedule(core, model, steps, forward_step, forward_only=True)
-    state.finish_capture(layout)
+    _replay_schedule(core, model, steps, forward_step, forward_only=True)
 
 
 def _replay_and_sweep(core, model, steps: list[Step], g, state: PromptState, layout: CPLayout | None) -> dict:
@@ -129,27 +167,27 @@ def _replay_and_sweep(core, model, steps: list[Step], g, state: PromptState, lay
     grad = g.loss_fn is not None
     device = next(core.parameters()).device
     n = len(steps)
-    results: dict[int, E.BranchResult] = {}
+    results: dict[int, S.BranchResult] = {}
 
     def step_done(chunk: int | None):
         def done():
             if chunk is not None:
                 state.finish_chunk(chunk)
-            E._micro_step_done(model)
+            S.micro_step_done(model)
         return done
 
     def forward_step(data_iterator, model_):
         step = next(data_iterator)
         if step.phase == "replay":
-            ids, tgt = E.branch_batch(g, step.branches, device)
+            ids, tgt = S.replay_inputs(g, step.branches, device)
             with torch.set_grad_enabled(grad):
-                out = core.forward_hidden(ids, E.replay_context(core, state, step, g, layout, grad))
+                out = core.forward_hidden(ids, S.replay_context(core, state, step, g, layout, grad))
                 if grad:
                     out = _StageOutput.apply(None, step_done(None), out)
 
             def loss(hidden):
                 with torch.set_grad_enabled(grad):
-                    total, res = E.branch_losses(core, hidden, tgt, step, g)
+                    total, res = S.branch_losses(core, hidden, tgt, step, g)
                 results.update(res)
                 return _loss(total if grad else hidden.new_zeros(()), n)
 
@@ -157,35 +195,44 @@ def _replay_and_sweep(core, model, steps: list[Step], g, state: PromptState, lay
         assert step.phase == "prompt_backward", step.phase
         c = step.index
         with torch.enable_grad():
-            hidden = core.forward_state(E._chunk_ids(g, step.span, layout), RecomputeContext(state, c, layout))
+            hidden = S.recompute_chunk(core, state, step, g, layout)
             x = hidden if hidden is not None else torch.zeros((), device=device)  # last stage: state only
-            out = _StageOutput.apply(lambda: E.chunk_seeds(state, c, layout), step_done(c), x, *state.outputs(c))
+            out = _StageOutput.apply(lambda: S.chunk_seeds(state, c, layout), step_done(c), x, *state.outputs(c))
         return out, lambda o: _loss(o, n)
 
-    _schedule(core, model, steps, forward_step, forward_only=not grad)
+    _replay_schedule(core, model, steps, forward_step, forward_only=not grad)
     return results
 
 
-def execute_stages(model, plan: list[Step], g, state: PromptState, state_grad: bool, layout: CPLayout | None):
-    """`engine.execute` at pipeline size > 1: (results by branch on every rank, state, seconds per phase)."""
-    core = E._core(model)
+def execute_pipeline(model, plan: list[Step], g, state: PromptState, layout: CPLayout | None):
+    """`plan` (transitions included) at pipeline size > 1: consecutive capture steps as one forward-only
+    schedule, consecutive replay / prompt-backward steps as one 1F1B schedule, transitions in between;
+    returns (results by branch on every rank, state, seconds per phase)."""
+    core = S.core_of(model)
     seconds: dict[str, float] = {}
-    capture = [s for s in plan if s.phase == "capture"]
-    rest = [s for s in plan if s.phase != "capture"]
-    assert plan[:len(capture)] == capture, "capture steps come first"
-    if capture:
-        t0 = time.perf_counter()
-        _capture(core, model, capture, g, state, layout)
-        seconds["capture"] = time.perf_counter() - t0
     results: dict = {}
-    if rest:
+    replayed = False
+    i = 0
+    while i < len(plan):
         t0 = time.perf_counter()
-        if state_grad:
-            state.enable_grad()
-        results = _replay_and_sweep(core, model, rest, g, state, layout)
-        if any(s.phase == "prompt_backward" for s in rest):
-            state.release_grad()  # the state gradient is spent
-        seconds["replay"] = time.perf_counter() - t0  # replay and sweep interleave on a stage
+        step = plan[i]
+        if step.phase in TRANSITIONS:
+            S.transition(state, step, layout)
+            phase, i = ("capture" if step.phase == "finish_capture" else "replay"), i + 1
+        else:
+            work = ("capture",) if step.phase == "capture" else ("replay", "prompt_backward")
+            j = i
+            while j < len(plan) and plan[j].phase in work:
+                j += 1
+            if step.phase == "capture":
+                _capture(core, model, plan[i:j], g, state, layout)
+                phase = "capture"
+            else:
+                results.update(_replay_and_sweep(core, model, plan[i:j], g, state, layout))
+                phase, replayed = "replay", True  # replay and sweep interleave on a stage
+            i = j
+        seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - t0
+    if replayed:
         pp = core.pg_collection.pp
         box = [results]
         dist.broadcast_object_list(box, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)

@@ -1,0 +1,30 @@
+"""Typed run configuration: model family + dimensions, parallel layout, run sections, device.
+
+Configs are keyword-only dataclasses loaded from YAML (`configs/*.yaml`) and overridden with
+`key=value` strings (`parallel.tp=2`, `model.dtype=float64`). Every field is validated where it is
+declared; errors name the offending value and what would be valid. Nothing here imports torch at
+module level or Megatron at all, so a bad config fails in milliseconds, before any process group,
+allocation or write.
+
+    errors.py      ConfigError and the shared checks (choices come from the `Literal` annotations)
+    model_base.py  what every family's model config derives alike (vocabulary padding, torch dtype)
+    qwen3_5.py     Qwen35Config: the Qwen3.5/3.6 hybrid's dimensions and the layouts it splits over
+    glm_dsa.py     GlmDsaConfig: GLM-5.x's dimensions and layouts; glm_5_2() its real dimensions
+    layout.py      ParallelConfig
+    sections.py    replay, grpo, rollout, ops, task, train
+    run.py         RunConfig; ModelConfig (any family's); the family -> config class table
+    loader.py      YAML + key=value overrides
+"""
+
+from longstraw_mcore.config.errors import ConfigError
+from longstraw_mcore.config.glm_dsa import GlmDsaConfig, glm_5_2
+from longstraw_mcore.config.layout import ParallelConfig
+from longstraw_mcore.config.loader import apply_overrides, config_to_dict, load_config, model_config_from_dict
+from longstraw_mcore.config.qwen3_5 import Qwen35Config
+from longstraw_mcore.config.run import MODEL_CONFIGS, ModelConfig, RunConfig
+from longstraw_mcore.config.sections import (GRPOConfig, OpsConfig, ReplayConfig, RolloutConfig, TaskConfig,
+                                             TrainConfig)
+
+__all__ = ["ConfigError", "ModelConfig", "Qwen35Config", "GlmDsaConfig", "glm_5_2", "ParallelConfig", "ReplayConfig",
+           "GRPOConfig", "RolloutConfig", "OpsConfig", "TaskConfig", "TrainConfig", "RunConfig", "MODEL_CONFIGS",
+           "load_config", "apply_overrides", "config_to_dict", "model_config_from_dict"]

@@ -1,0 +1,68 @@
+"""The parallel layout: tensor, pipeline, context and expert parallel sizes (data parallel is what the
+world size leaves) and the pipeline's layer split."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from longstraw_mcore.config.errors import ConfigError, check_ints
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Parallel layout. Data parallelism is whatever remains of the world size."""
+
+    tp: int = 1
+    """Tensor parallel size."""
+    pp: int = 1
+    """Pipeline parallel size."""
+    cp: int = 1
+    """Context parallel size: the prompt and its state sharded by sequence (zig-zag pieces of every
+    capture chunk), branches replayed whole on every CP rank (prompt_state/contexts.py)."""
+    ep: int = 1
+    """Expert parallel size (MoE families only)."""
+    pp_layers: list[int] | None = None
+    """Decoder layers of each pipeline stage, first to last (uneven stages, e.g. [15, 16, 16, 17] for
+    64 layers at pp=4); None splits them evenly. The embedding sits on the first stage and the output
+    layer on the last (both families keep them untied)."""
+
+    def __post_init__(self) -> None:
+        check_ints(self, "parallel", ("tp", "pp", "cp", "ep"))
+        if self.pp_layers is not None:
+            pl = self.pp_layers
+            if not isinstance(pl, (list, tuple)) or any(not isinstance(n, int) or isinstance(n, bool) or n < 1
+                                                         for n in pl):
+                raise ConfigError(f"parallel.pp_layers={pl!r}: must be a list of positive layer counts, one per "
+                                  f"pipeline stage")
+            if len(pl) != self.pp:
+                raise ConfigError(f"parallel.pp_layers={list(pl)} has {len(pl)} stages but parallel.pp={self.pp}; "
+                                  f"give one layer count per stage")
+            self.pp_layers = list(pl)
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Decoder layers per pipeline stage; raises ConfigError when they do not add up."""
+        if self.pp_layers is not None:
+            if sum(self.pp_layers) != num_layers:
+                raise ConfigError(f"parallel.pp_layers={self.pp_layers} adds up to {sum(self.pp_layers)} layers but "
+                                  f"model.num_layers={num_layers}")
+            return list(self.pp_layers)
+        if num_layers % self.pp:
+            raise ConfigError(f"model.num_layers={num_layers} is not divisible by parallel.pp={self.pp}; set "
+                              f"parallel.pp_layers (a layer count per stage, adding up to {num_layers})")
+        return [num_layers // self.pp] * self.pp
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def dp_for(self, world_size: int) -> int:
+        mp = self.model_parallel_size
+        if world_size % mp:
+            raise ConfigError(f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp}"
+                              f" = {mp}; launch a multiple of {mp} ranks or change parallel.*")
+        dp = world_size // mp
+        if (self.tp * self.cp * dp) % self.ep:  # Megatron draws the EP groups from a stage's tp x cp x dp ranks
+            raise ConfigError(f"parallel.ep={self.ep} does not divide the {self.tp * self.cp * dp} ranks of a pipeline "
+                              f"stage (tp*cp*dp = {self.tp}*{self.cp}*{dp} at world size {world_size}); launch more "
+                              f"ranks or use a smaller parallel.ep")
+        return dp

@@ -1,0 +1,53 @@
+"""Everything one `longstraw` invocation needs: the model (one of the families' configs), the layout,
+the run sections, the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from longstraw_mcore.config.errors import ConfigError, check_choices
+from longstraw_mcore.config.glm_dsa import GlmDsaConfig
+from longstraw_mcore.config.layout import ParallelConfig
+from longstraw_mcore.config.qwen3_5 import Qwen35Config
+from longstraw_mcore.config.sections import (GRPOConfig, OpsConfig, ReplayConfig, RolloutConfig, TaskConfig,
+                                             TrainConfig)
+
+ModelConfig = Qwen35Config | GlmDsaConfig
+"""A model of any family (the annotation every family-neutral module uses)."""
+
+MODEL_CONFIGS = {"qwen3_5": Qwen35Config, "glm_dsa": GlmDsaConfig}
+"""`model.family` -> its config class (adding a family adds a line here)."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything one `longstraw` invocation needs."""
+
+    model: ModelConfig
+    """The model; its `family` key picks the dataclass (qwen3_5 when absent)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    ops: OpsConfig = field(default_factory=OpsConfig)
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    """`cpu` (gloo), `cuda` (NCCL), or `auto`: cuda when available."""
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        check_choices(self, "")
+        self.model.check_layout(self.parallel)
+        bad = [t for t in self.rollout.stop_ids if t >= self.model.vocab_size]
+        if bad:
+            raise ConfigError(f"rollout.stop_ids={self.rollout.stop_ids}: {bad} not below model.vocab_size="
+                              f"{self.model.vocab_size}")
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,121 @@
+"""The decoder-only language model every family builds on: embedding, a block of the family's layers,
+final norm and an untied output layer, on Megatron-Core (no Megatron class is forked).
+
+    embedding        Megatron's vocab-parallel `LanguageModelEmbedding` (first pipeline stage)
+    decoder          Megatron's `TransformerBlock` of the layers the family's spec gives this stage
+    output_layer     a `ColumnParallelLinear` whose logits stay vocab-parallel (last stage)
+
+A family's model module (models/qwen3_5.py, models/glm5.py) supplies the TransformerConfig and the
+block spec of a stage; the family record (families/) hands in its per-layer-type records, which the
+replay engine reaches through `ReplayModelMixin` (models/replay_interface.py) and nothing else.
+Cached prompt state reaches the mixers through Megatron's `inference_context` argument
+(prompt_state/hooks.py).
+
+The vocabulary is padded as Megatron pads it (`model.make_vocab_size_divisible_by` x tp): the
+embedding and output layer have V_pad rows, the padded rows are never looked up and their logits
+are masked out of every log-prob (loss/logprobs.py), so they get no gradient; checkpoints record
+the padded tensors with `allow_shape_mismatch` (any padding loads), conversion and gathered
+tensors carry the true vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.enums import ModelType
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from longstraw_mcore.config import ModelConfig, ParallelConfig
+from longstraw_mcore.models.replay_interface import ReplayModelMixin
+from longstraw_mcore.prompt_state.hooks import StateHooks
+
+
+def pipeline_kwargs(num_layers: int, p: ParallelConfig) -> dict:
+    """TransformerConfig fields for pp > 1 (none at pp = 1). Megatron's layout places the stages' layers
+    (uneven splits too; layer numbers and checkpoint keys follow it), the embedding first and the output
+    layer ("loss") last; branches and capture chunks differ in length, so the pipeline exchanges shapes
+    (variable_seq_lengths), which Megatron refuses with its default MoE dispatcher, even without experts."""
+    if p.pp == 1:
+        return {}
+    layout = [["decoder"] * n for n in p.stage_layers(num_layers)]
+    layout[0].insert(0, "embedding")
+    layout[-1].append("loss")
+    return dict(pipeline_model_parallel_layout=layout, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+
+
+def stage_range(parallel) -> range:
+    """The global (0-based) layers this rank's pipeline stage owns."""
+    stages = parallel.stage_layers
+    first = sum(stages[:parallel.pp_rank])
+    return range(first, first + stages[parallel.pp_rank])
+
+
+class ReplayLanguageModel(ReplayModelMixin, LanguageModule):
+    """Embedding (first stage) -> TransformerBlock of `spec` -> final norm + output layer (last stage).
+
+    forward returns vocab-parallel logits `[B, T, V_pad/tp]` on the last stage (columns at or beyond
+    `model_cfg.vocab_size` are padding), hidden states `[T, B, Hd]` elsewhere (Megatron's pipeline
+    contract). `layer_kinds`: the family's record per layer type (prompt_state/kinds.py); `kv_group`:
+    this rank's KV group when tensor parallelism exceeds the state's heads (parallel/kv_group.py)."""
+
+    def __init__(self, config: TransformerConfig, model_cfg: ModelConfig, pg_collection,
+                 spec: TransformerBlockSubmodules, layer_kinds: dict, kv_group=None, pre_process: bool = True,
+                 post_process: bool = True):
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.model_cfg, self.layer_kinds, self.kv_group = model_cfg, layer_kinds, kv_group
+        self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
+        self.pre_process, self.post_process = pre_process, post_process
+        self.share_embeddings_and_output_weights = False
+        self.vocab_size = model_cfg.vocab_size
+        self.padded_vocab_size = model_cfg.padded_vocab_size(pg_collection.tp.size())
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(config=config, vocab_size=self.padded_vocab_size,
+                                                    max_sequence_length=1, position_embedding_type="none",
+                                                    tp_group=pg_collection.tp)
+        self.decoder = TransformerBlock(config=config, spec=spec, pre_process=pre_process,
+                                        post_process=post_process, pg_collection=pg_collection)
+        if post_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size, self.padded_vocab_size, config=config, init_method=config.init_method,
+                bias=False, skip_bias_add=False, gather_output=False, tp_group=pg_collection.tp)
+        self.setup_embeddings_and_output_layer()
+
+    def set_input_tensor(self, input_tensor) -> None:
+        if isinstance(input_tensor, (list, tuple)):
+            assert len(input_tensor) == 1, "one input tensor per stage"
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def forward(self, input_ids: torch.Tensor, position_ids=None, attention_mask=None,
+                state: StateHooks | None = None, hidden_only: bool = False, **kwargs) -> torch.Tensor:
+        """input_ids [B, T] (first stage; other stages take the tensor from `set_input_tensor`).
+
+        `hidden_only`: return the decoder output `[T, B, Hd]` (after the final norm on the last stage)
+        without the output layer: prompt capture needs no logits, and log-probs are computed from
+        hidden states in token chunks (loss/logprobs.py)."""
+        decoder_input = self.embedding(input_ids=input_ids, position_ids=None) if self.pre_process else None
+        hidden = self.decoder(hidden_states=decoder_input, attention_mask=None, inference_context=state)
+        if not self.post_process or hidden_only:
+            return hidden
+        logits, _ = self.output_layer(hidden)
+        return logits.transpose(0, 1).contiguous()
+
+
+def build(transformer_config: TransformerConfig, model_cfg: ModelConfig, parallel, spec, layer_kinds: dict,
+          device: str) -> ReplayLanguageModel:
+    """This rank's part of the model (its pipeline stage, its TP shard) on `device`."""
+    model = ReplayLanguageModel(transformer_config, model_cfg, parallel.pgs, spec, layer_kinds,
+                                kv_group=parallel.tp_kv, pre_process=parallel.is_first_stage,
+                                post_process=parallel.is_last_stage)
+    return model.cuda() if device == "cuda" else model
+
+
+def gather_vocab(logits_local: torch.Tensor, tp_group, vocab_size: int | None = None) -> torch.Tensor:
+    """[..., V_pad/tp] -> [..., V_pad], or [..., vocab_size] without the padding (for tests and small
+    outputs; training never materialises full logits)."""
+    full = logits_local if tp_group.size() == 1 else \
+        tensor_parallel.gather_from_tensor_model_parallel_region(logits_local, group=tp_group)
+    return full if vocab_size is None else full[..., :vocab_size]

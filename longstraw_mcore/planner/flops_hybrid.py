@@ -1,0 +1,144 @@
+"""FLOP terms of the Qwen3.5/3.6 hybrid's two layer types (planner/flops.py's `LayerFlops`), each with
+its SwiGLU MLP, on one TP rank.
+
+    gated attention   q (with its gate), k, v, o projections and the MLP: 2 W T forward, 2 x that backward
+                      (dX, dW); the attention core over key blocks: 2 (Hq/tp) D per (query, key) pair and
+                      matmul "unit" (forward QK^T and PV: 2 units; backward: the score recompute unless the
+                      probabilities are stored, dP, dQ, and dK, dV where the keys need a gradient)
+    Gated DeltaNet    q, k, v, z, b, a, out projections and the MLP; the chunked gated delta rule's matmuls
+                      per chunk of C (ops/gated_delta.py) and the depthwise conv as FlopCounterMode counts
+                      it (its input gradient counted like a dense conv)
+
+Exact mode's recompute of the model's last layer runs only as far as its state (forward_state): the
+rest of that layer (attention: q projection, core, o projection; GDN: z / out projections and its
+output path) and its MLP are neither run nor differentiated.
+"""
+
+from __future__ import annotations
+
+import math
+
+from longstraw_mcore.planner.flops import attn_pairs
+
+
+def _mlp(m) -> int:
+    return 3 * m.hidden_size * m.intermediate_size
+
+
+class GatedAttentionFlops:
+    @staticmethod
+    def _weights(m, tp: int) -> tuple[int, int]:
+        """(this rank's weights of the layer, of what the last layer's recompute leaves out)."""
+        H, D, nq, nkv = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_key_value_heads
+        attn = H * (2 * nq * D + 2 * nkv * D) + nq * D * H
+        return (attn + _mlp(m)) // tp, (H * 2 * nq * D + nq * D * H + _mlp(m)) // tp
+
+    @staticmethod
+    def _unit(m, tp: int) -> float:
+        return 2.0 * (m.num_attention_heads // tp) * m.head_dim
+
+    def capture(self, m, tp, layer, chunks, kind):
+        W, _ = self._weights(m, tp)
+        Pc = sum(e - s for s, e in chunks)
+        pairs = sum(attn_pairs(e - s, s, e, 0, m.attention_block, kind == "algorithm") for s, e in chunks)
+        return 2.0 * W * Pc + self._unit(m, tp) * pairs * 2
+
+    def replay(self, m, tp, layer, R, Pc, exact, store_probs, kind):
+        W, _ = self._weights(m, tp)
+        blocked = kind == "algorithm"
+        pp = attn_pairs(R, Pc, Pc, 0, m.attention_block, blocked) if Pc else 0
+        own = attn_pairs(R, Pc, R, Pc, m.attention_block, blocked)
+        if blocked:
+            prompt_bwd = (2 if store_probs else 3) + (2 if exact else 0)  # [recompute S,] dP, dQ (+ dK, dV)
+            own_bwd = 5
+        else:
+            prompt_bwd, own_bwd = 2 + (2 if exact else 0), 4           # dP, dQ (+ dK, dV)
+        u = self._unit(m, tp)
+        return 3 * 2.0 * W * R + u * (pp + own) * 2 + u * pp * prompt_bwd + u * own * own_bwd
+
+    def recompute(self, m, tp, layer, s, e, last, kind):
+        W, pruned = self._weights(m, tp)
+        T = e - s
+        if last:  # only its K/V: their projections, forward and backward
+            return 3 * 2.0 * (W - pruned) * T
+        blocked = kind == "algorithm"
+        pairs = attn_pairs(T, s, s, 0, m.attention_block, blocked) + attn_pairs(T, s, T, s, m.attention_block, blocked)
+        return 3 * 2.0 * W * T + self._unit(m, tp) * pairs * (2 + (5 if blocked else 4))
+
+    def forward(self, m, tp, layer, R, Pc):
+        W, _ = self._weights(m, tp)
+        pairs = (attn_pairs(R, Pc, Pc, 0, m.attention_block, False) if Pc else 0) + \
+            attn_pairs(R, Pc, R, Pc, m.attention_block, False)
+        return 2.0 * W * R + self._unit(m, tp) * pairs * 2
+
+    def naive(self, m, tp, layer, T, kind):
+        W, _ = self._weights(m, tp)
+        blocked = kind == "algorithm"
+        pairs = attn_pairs(T, 0, T, 0, m.attention_block, blocked)
+        return 3 * 2.0 * W * T + self._unit(m, tp) * pairs * (2 + (5 if blocked else 4))
+
+
+class GatedDeltaNetFlops:
+    @staticmethod
+    def _weights(m, tp: int) -> tuple[int, int]:
+        """(this rank's weights of the layer, of what the last layer's recompute leaves out)."""
+        H = m.hidden_size
+        kd, vd = m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads * m.linear_value_head_dim
+        gdn = H * (2 * kd + 2 * vd + 2 * m.linear_num_value_heads) + vd * H
+        return (gdn + _mlp(m)) // tp, (2 * H * vd + _mlp(m)) // tp
+
+    @staticmethod
+    def _dims(m, tp: int):
+        hv = m.linear_num_value_heads // tp
+        ch = (2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim) // tp
+        return hv, ch, m.gdn_chunk_size, m.linear_key_head_dim, m.linear_value_head_dim
+
+    def _fwd(self, m, tp: int, tokens: int) -> float:
+        hv, ch, C, K, V = self._dims(m, tp)
+        n = math.ceil(tokens / C) if tokens else 0
+        per_chunk = 2 * hv * (2 * C * C * K + C * C * V + 2 * C * K * V + C * K * V)
+        return n * per_chunk + 2 * ch * m.linear_conv_kernel_dim * tokens
+
+    def _bwd(self, m, tp: int, tokens: int, init_grad: bool, final_grad: bool, output_unused: bool = False) -> float:
+        """Backward: both operands of every chunk matmul, plus the triangular solves' matmul
+        gradients (dA = -dX X^T); minus the gradients nobody needs: the entering state's when it is a
+        constant (`init_grad` False), the last chunk's state update when the final state is discarded
+        (`final_grad` False), and the output path (Q K^T, (Q e^G) S, (Q K^T * D) U) when the layer's
+        output feeds nothing (exact mode's last recomputed layer)."""
+        hv, ch, C, K, V = self._dims(m, tp)
+        n = math.ceil(tokens / C) if tokens else 0
+        conv_fwd = 2 * ch * m.linear_conv_kernel_dim * tokens
+        conv_bwd = conv_fwd * ch + conv_fwd  # FlopCounterMode: depthwise input-grad counted as dense
+        solve = n * 2 * hv * (C * C * V + C * C * K)
+        state_mm = 2 * hv * C * K * V  # one of W S, (Q e^G) S, (K e^{G_C-G})^T U for one chunk
+        unneeded = (0 if init_grad else 2 * state_mm) + (0 if final_grad else 2 * state_mm) if n else 0
+        full = 2 * (self._fwd(m, tp, tokens) - conv_fwd) + conv_bwd + solve - unneeded
+        if not output_unused:
+            return full
+        # output path: both operands of its three output matmuls in every chunk, less the entering-state
+        # gradient of (Q e^G) S already left out above
+        return full - (n * 2 * (state_mm + 2 * hv * C * C * (V + K)) - (0 if init_grad or not n else state_mm))
+
+    def capture(self, m, tp, layer, chunks, kind):
+        W, _ = self._weights(m, tp)
+        Pc = sum(e - s for s, e in chunks)
+        return 2.0 * W * Pc + self._fwd(m, tp, Pc)
+
+    def replay(self, m, tp, layer, R, Pc, exact, store_probs, kind):
+        # the state entering a branch is a constant (detached) or a leaf (exact); its final state is dropped
+        W, _ = self._weights(m, tp)
+        return 3 * 2.0 * W * R + self._fwd(m, tp, R) + self._bwd(m, tp, R, init_grad=exact and Pc > 0, final_grad=False)
+
+    def recompute(self, m, tp, layer, s, e, last, kind):
+        W, pruned = self._weights(m, tp)
+        T = e - s
+        lin = 2.0 * (W - pruned if last else W) * T
+        return 3 * lin + self._fwd(m, tp, T) + self._bwd(m, tp, T, init_grad=s > 0, final_grad=True, output_unused=last)
+
+    def forward(self, m, tp, layer, R, Pc):
+        W, _ = self._weights(m, tp)
+        return 2.0 * W * R + self._fwd(m, tp, R)
+
+    def naive(self, m, tp, layer, T, kind):
+        W, _ = self._weights(m, tp)
+        return 3 * 2.0 * W * T + self._fwd(m, tp, T) + self._bwd(m, tp, T, False, False)

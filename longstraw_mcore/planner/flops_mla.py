@@ -1,0 +1,95 @@
+"""FLOP terms of GLM-5.x's MLA + DSA layers with their dense or MoE MLP (planner/flops.py's
+`LayerFlops`), on one rank: what `FlopCounterMode` counts on the code path (tests/unit/test_flop_model.py
+holds it to equality on the tiny GLM config at TP = 1).
+
+Per token of a call of T tokens whose queries see S keys (the call's key set: a capture chunk ending at
+e sees S = e, a branch S = Pc + R, a full sequence S = T), with k = min(index_topk, S) selected slots:
+
+    projections   kv_a_proj_with_mqa H (R + Dr), q_a_proj H Q, q_b_proj Q h (Dn + Dr), o_proj h Dv H
+    attention     q in latent space h Dn R, logits to the k selected latents and RoPE keys h k (R + Dr),
+                  their weighted sum h k R, W_UV h R Dv (absorbed MLA: ops/dsa.py)
+    indexer       (full layers, no autograd) wk H Di, wq_b Q Hi Di, weights_proj H Hi; the scores against
+                  every key of the set S Hi (Di + 1)
+    MLP           dense SwiGLU 3 H F; MoE: the router H E, the top-k routed experts' SwiGLUs 3 k_e H I,
+                  the shared experts' 3 H I n_s
+
+each 2 FLOPs per multiply-add. A call with autograd adds twice its forward (the gradient of both
+operands of every matmul: the selected latents' gradient is taken whole, as the code takes it, also
+where they are the detached prompt's), the indexer excepted (it gets no gradient). Every slot of the k
+is computed, also a slot beyond a query's visible keys (marked invalid): `minimum` counts only the
+min(k, position + 1) valid ones and the indexer's scores of visible keys, and no log-prob recompute.
+Exact mode's recompute of the model's last layer stops after its latents (kv_a_proj; on a full layer
+also the indexer key, without autograd).
+"""
+
+from __future__ import annotations
+
+from longstraw_mcore.planner.flops import clamped_sum
+
+
+def _valid_slots(T: int, start: int, k: int) -> int:
+    """Sum over the queries at start..start+T-1 of min(k, position + 1)."""
+    return clamped_sum(start + 1, start + T + 1, k)
+
+
+def _visible(T: int, start: int) -> int:
+    """Sum over the queries at start..start+T-1 of their visible keys (position + 1)."""
+    return T * start + T * (T + 1) // 2
+
+
+class MLADSAFlops:
+    def __init__(self, indexer: bool):
+        self.indexer = indexer
+        """A full indexer layer (computes its top-k); shared layers reuse the previous full layer's."""
+
+    @staticmethod
+    def _linear(m, tp: int, layer: int) -> int:
+        """Weights of the projections and the MLP one token meets on this rank (the router replicated)."""
+        H, R, Dr, Q, nh = m.hidden_size, m.kv_lora_rank, m.qk_rope_head_dim, m.q_lora_rank, m.num_attention_heads
+        proj = (H * (R + Dr) + H * Q + Q * nh * (m.qk_nope_head_dim + Dr) + nh * m.v_head_dim * H) // tp
+        if m.mlp_types[layer] == "dense":
+            return proj + 3 * H * m.intermediate_size // tp
+        moe = 3 * m.num_experts_per_tok * H * m.moe_intermediate_size + 3 * H * m.moe_intermediate_size * m.n_shared_experts
+        return proj + H * m.n_routed_experts + moe
+
+    @staticmethod
+    def _attn_per_slot(m, tp: int) -> int:
+        return (m.num_attention_heads // tp) * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
+
+    @staticmethod
+    def _attn_per_token(m, tp: int) -> int:
+        return (m.num_attention_heads // tp) * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank
+
+    def _index(self, m, tp: int, T: int, pairs: int) -> float:
+        """The indexer of T queries scoring `pairs` (query, key) pairs (no autograd)."""
+        if not self.indexer:
+            return 0.0
+        H, Q, Hi, Di = m.hidden_size, m.q_lora_rank, m.index_n_heads, m.index_head_dim
+        return 2.0 * T * ((H * Di + Q * Hi * Di + H * Hi) // tp) + 2.0 * pairs * Hi * (Di + 1)
+
+    def _call(self, m, tp: int, layer: int, T: int, start: int, S: int, kind: str, grad: bool) -> float:
+        """T tokens at positions start.. whose queries see a key set of S keys (the set ends at the last)."""
+        k = min(m.index_topk, S)
+        slots = T * k if kind == "algorithm" else _valid_slots(T, start, k)
+        pairs = T * S if kind == "algorithm" else _visible(T, start)
+        fwd = 2.0 * (T * (self._linear(m, tp, layer) + self._attn_per_token(m, tp)) + slots * self._attn_per_slot(m, tp))
+        return fwd * (3 if grad else 1) + self._index(m, tp, T, pairs)
+
+    def capture(self, m, tp, layer, chunks, kind):
+        return sum(self._call(m, tp, layer, e - s, s, e, kind, grad=False) for s, e in chunks)
+
+    def replay(self, m, tp, layer, R, Pc, exact, store_probs, kind):
+        return self._call(m, tp, layer, R, Pc, Pc + R, kind, grad=True)
+
+    def recompute(self, m, tp, layer, s, e, last, kind):
+        if not last:
+            return self._call(m, tp, layer, e - s, s, e, kind, grad=True)
+        T, H = e - s, m.hidden_size
+        latents = 3 * 2.0 * T * (H * (m.kv_lora_rank + m.qk_rope_head_dim) // tp)
+        return latents + (2.0 * T * (H * m.index_head_dim // tp) if self.indexer else 0.0)
+
+    def forward(self, m, tp, layer, R, Pc):
+        return self._call(m, tp, layer, R, Pc, Pc + R, "minimum", grad=False)
+
+    def naive(self, m, tp, layer, T, kind):
+        return self._call(m, tp, layer, T, 0, T, kind, grad=True)

@@ -1,0 +1,32 @@
+"""One record per layer type of a model family: what the state containers and the planner know of it.
+
+A family (families/<name>.py) maps each of its layer types (`ModelConfig.layer_types` names them) to a
+`LayerKind`; the record is handed to whoever needs it (the model, which hands it to the containers
+when the replay allocates a state; the planner), so nothing below the family registry switches on a
+layer type or a family name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+def _none(m, T: int, keys: int) -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    state: type
+    """Its prompt-state kind (a `prompt_state.base.LayerState` subclass): allocation, phase hooks, bytes."""
+    activation_bytes: Callable
+    """(m, tp, T, layer, keys, produce_only) -> bytes autograd keeps for T tokens through the whole layer
+    (mixer, MLP, norms; `keys`: the prompt rows it sees; `produce_only`: only as far as its state, exact
+    mode's recompute of the model's last layer). planner/activations.py."""
+    norm_bytes: Callable
+    """(hidden, e) -> bytes one of the family's norms keeps per token (the final norm is the layers' kind)."""
+    flops: object
+    """Its FLOP counts per phase (planner/flops.py's `LayerFlops` interface)."""
+    scratch_bytes: Callable = _none
+    """(m, T, keys) -> no-autograd scratch while it runs (the DSA indexer's block of scores)."""

@@ -1,0 +1,210 @@
+"""One step of a replay plan (replay/plan.py) on this rank's layers: what both executors run.
+
+    capture_chunk     prompt chunk under no_grad (under CP this rank's zig-zag pieces); each layer's state
+                      kind keeps what later tokens need (peak activations: one chunk)
+    replay            [prompt[-1]] + y_b[:-1] at positions P-1.. against the state -> log-probs of y_b ->
+                      the branch's loss term (`replay_inputs`, `replay_context`, `branch_losses`; at pp = 1
+                      `replay_step` also runs the backward, which frees the graph: the branch's own K/V and
+                      recurrent updates are its scratch)
+    prompt_backward   exact mode: chunk c recomputed with autograd against the earlier chunks' state (on the
+                      last stage its last layer only as far as its state), seeded with the gradient
+                      accumulated for the state it produces (`chunk_seeds`)
+    transitions       finish_capture, enable_grad, release_grad on the state (`transition`)
+
+The engine reaches the model only through models/replay_interface.py and the state only through its
+kinds (prompt_state/). `micro_step_done` is where gradients reduced per micro-step (train/zero2.py)
+hook in, after every backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from longstraw_mcore.config import ReplayConfig
+from longstraw_mcore.parallel.cp import CPLayout, local_count, local_positions
+from longstraw_mcore.prompt_state.containers import PromptState, allocate
+from longstraw_mcore.prompt_state.contexts import CaptureContext, RecomputeContext, ReplayContext
+from longstraw_mcore.replay.plan import Step
+
+
+def core_of(model):
+    """The model behind a DDP wrapper: the replay interface lives there (DDP's forward only calls it)."""
+    return getattr(model, "module", model)
+
+
+@dataclass
+class BranchResult:
+    logprobs: torch.Tensor          # [R] detached
+    stats: dict = field(default_factory=dict)
+
+
+BranchLoss = Callable[[int, torch.Tensor], tuple[torch.Tensor, dict]]
+
+
+@dataclass
+class GroupInputs:
+    """The inputs a plan runs on."""
+
+    prefix: torch.Tensor            # [1, P-1] prompt ids before the last
+    prompt_last: int
+    responses: list[list[int]]
+    loss_fn: BranchLoss | None
+    cfg: ReplayConfig
+
+
+def stores_attention_probs(model, captured: int, cfg: ReplayConfig, batch: int, tokens: int) -> bool:
+    """Whether a branch of `batch` x `tokens` against `captured` prompt positions keeps its attention
+    probabilities for the backward (they fit `cfg.attn_probs_budget_mib`) instead of recomputing them."""
+    if cfg.attn_probs_budget_mib <= 0 or captured == 0:
+        return False
+    core = core_of(model)
+    need = sum(k.state.probs_bytes(core.model_cfg, core.tp_size, batch, tokens, captured)
+               for k in core.state_kinds().values())
+    return need <= cfg.attn_probs_budget_mib * 2**20
+
+
+def new_state(core, plan: list[Step], g: GroupInputs, layout: CPLayout | None) -> PromptState:
+    """This rank's empty state for the plan's capture chunks (its layers; under CP its share)."""
+    cp, rank = (layout.size, layout.rank) if layout is not None else (1, 0)
+    if layout is not None and 0 < g.prefix.shape[1] < cp:
+        raise ValueError(f"a prompt of {g.prefix.shape[1] + 1} tokens is too short for {cp} context-parallel "
+                         f"ranks (each needs at least one of the prompt[:-1] positions)")
+    spans = [st.span for st in plan if st.phase == "capture"]
+    local = sum(local_count(e - s, cp, rank) for s, e in spans)
+    device = next(core.parameters()).device
+    return allocate(core.state_kinds(), core.model_cfg, core.tp_size, local, device, kv=core.kv_group, spans=spans)
+
+
+def same_schedule_over_ep(core, plan: list[Step]) -> None:
+    """Expert parallelism: every MoE layer call is an all-to-all over the EP group, so its ranks must call
+    every layer equally often, in the same order (lockstep); token counts may differ (the dispatcher
+    exchanges them first). Ranks that replay different prompt groups (data parallel) may when the
+    groups have the same steps: capture chunks, and branches per replay step; refuse otherwise."""
+    ep = getattr(core.pg_collection, "ep", None)
+    if ep is None or ep.size() == 1:
+        return
+    import torch.distributed as dist
+
+    mine = [(s.phase, len(s.branches)) for s in plan]
+    every = [None] * ep.size()
+    dist.all_gather_object(every, mine, group=ep)
+    for r, theirs in enumerate(every):
+        if theirs != mine:
+            raise ValueError(f"expert-parallel ranks run different replay schedules (this rank: {len(mine)} steps, "
+                             f"first {mine[:2]}; EP rank {r}: {len(theirs)} steps, first {theirs[:2]}): their "
+                             "all-to-alls need lockstep; give the data-parallel ranks prompt groups with as many "
+                             "capture chunks (prompt length / replay.chunk_len) and branches")
+
+
+def transition(state: PromptState, step: Step, layout: CPLayout | None) -> None:
+    """A lifecycle step of the plan (replay/plan.py `with_transitions`)."""
+    if step.phase == "finish_capture":
+        state.finish_capture(layout)
+    elif step.phase == "enable_grad":
+        state.enable_grad()
+    elif step.phase == "release_grad":
+        state.release_grad()  # the state gradient is spent
+    else:
+        raise ValueError(f"{step.phase!r} is not a state transition")
+
+
+def chunk_ids(g: GroupInputs, span: tuple[int, int], layout: CPLayout | None) -> torch.Tensor:
+    """The prompt tokens of a chunk this rank runs: all of them, or under CP its zig-zag pieces."""
+    s0, s1 = span
+    if layout is None:
+        return g.prefix[:, s0:s1]
+    idx = torch.tensor(local_positions(s1 - s0, layout.size, layout.rank), dtype=torch.long) + s0
+    return g.prefix[:, idx.to(g.prefix.device)]
+
+
+def capture_chunk(core, state: PromptState, step: Step, g: GroupInputs, layout: CPLayout | None, keep: bool):
+    """One capture step on this rank's layers: record the chunk's bounds, run it without autograd
+    (under CP this rank's pieces of it); returns the output of this rank's last layer. `keep`: exact
+    mode, GDN kinds record the state entering each chunk for its recompute."""
+    s0, s1 = step.span
+    cp, rank = (layout.size, layout.rank) if layout is not None else (1, 0)
+    ls0 = state.local_bounds[-1][1] if state.local_bounds else 0
+    state.chunk_bounds.append(step.span)
+    state.local_bounds.append((ls0, ls0 + local_count(s1 - s0, cp, rank)))
+    with torch.no_grad():
+        out = core.forward_hidden(chunk_ids(g, step.span, layout), CaptureContext(state, step.index, keep, layout))
+    state.length = s1
+    return out
+
+
+def replay_inputs(g: GroupInputs, bs: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets [len(bs), R] of a replay micro-step, right-padded (causal: pads never reach
+    real positions)."""
+    R = max(len(g.responses[b]) for b in bs)
+    ids = torch.zeros(len(bs), R, dtype=torch.long, device=device)
+    tgt = torch.zeros(len(bs), R, dtype=torch.long, device=device)
+    for i, b in enumerate(bs):
+        r = g.responses[b]
+        ids[i, :len(r)] = torch.tensor([g.prompt_last] + r[:-1], device=device)
+        tgt[i, :len(r)] = torch.tensor(r, device=device)
+    return ids, tgt
+
+
+def replay_context(core, state: PromptState, step: Step, g: GroupInputs, layout, grad: bool) -> ReplayContext:
+    R = max(len(g.responses[b]) for b in step.branches)
+    store = grad and stores_attention_probs(core, state.length, g.cfg, len(step.branches), R)
+    return ReplayContext(state, batch=len(step.branches), store_probs=store, layout=layout)
+
+
+def branch_losses(core, hidden: torch.Tensor, tgt: torch.Tensor, step: Step, g: GroupInputs):
+    """Per-token log-probs of the micro-step's branches from the last layer's output, and (with a
+    loss function) the sum of their loss terms: (total or None, {branch: BranchResult})."""
+    logp = core.token_logprobs(hidden, tgt, g.cfg.logprob_chunk)
+    total, out = None, {}
+    for i, b in enumerate(step.branches):
+        lp = logp[i, :len(g.responses[b])]
+        stats = {}
+        if g.loss_fn is not None:
+            loss, stats = g.loss_fn(b, lp)
+            total = loss if total is None else total + loss
+        out[b] = BranchResult(lp.detach(), stats)
+    return total, out
+
+
+def replay_step(core, state: PromptState, step: Step, g: GroupInputs, device, layout) -> dict[int, BranchResult]:
+    """A replay micro-step with its backward (pp = 1)."""
+    grad = g.loss_fn is not None
+    ids, tgt = replay_inputs(g, step.branches, device)
+    with torch.set_grad_enabled(grad):
+        hidden = core.forward_hidden(ids, replay_context(core, state, step, g, layout, grad))
+        total, out = branch_losses(core, hidden, tgt, step, g)
+        if grad:
+            total.backward()  # frees this micro-step's graph (its scratch) before the next one
+    return out
+
+
+def recompute_chunk(core, state: PromptState, step: Step, g: GroupInputs, layout: CPLayout | None):
+    """Exact mode: chunk `step.index` recomputed with autograd against the earlier chunks' state; returns
+    this stage's output (None on the last stage, which stops at its last layer's state)."""
+    with torch.enable_grad():
+        return core.forward_state(chunk_ids(g, step.span, layout), RecomputeContext(state, step.index, layout))
+
+
+def chunk_seeds(state: PromptState, chunk: int, layout: CPLayout | None) -> list[torch.Tensor]:
+    """The gradients a chunk's recompute is seeded with (scaled by CP: each rank recomputes 1/n of the
+    chunk's tokens, see prompt_state/contexts.py)."""
+    grads = state.seed_grads(chunk)
+    return grads if layout is None else [x * layout.size for x in grads]
+
+
+def prompt_backward_step(core, state: PromptState, step: Step, g: GroupInputs, layout: CPLayout | None) -> None:
+    """One chunk of exact mode's reverse sweep (pp = 1): its recompute and one backward seeded with the
+    state gradient accumulated so far."""
+    recompute_chunk(core, state, step, g, layout)
+    torch.autograd.backward(state.outputs(step.index), chunk_seeds(state, step.index, layout))
+    state.finish_chunk(step.index)
+
+
+def micro_step_done(model) -> None:
+    """Gradients reduced per micro-step (train/zero2.py) hook in here, after every backward."""
+    done = getattr(model, "micro_step_done", None)
+    if done is not None:
+        done()
