@@ -135,11 +135,6 @@ def main(argv=None) -> int:
     configure(cfg.ops)  # ops.attention=plain|flash compares kernels; auto: flash on CUDA bf16
     family = get_family(m.family)
     model = family.build_model(m, par, cfg.resolved_device())
-    # the analytic FLOP model (planner/flops.py) covers the hybrid family; for GLM-5.x the table has the
-    # measured FLOPs only
-    analytic = m.family == "qwen3_5"
-    if not analytic:
-        print(f"[bench] {m.family}: no analytic FLOP model yet; measured FLOPs, time, memory and state only")
     skip = set(filter(None, a.skip.split(";")))
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -158,8 +153,7 @@ def main(argv=None) -> int:
                     st, secs, flops, peak = _measure(lambda: process_group(model, group, rcfg, cfg.grpo),
                                                      par.device)
                     store = stores_attention_probs(model, P - 1, rcfg, G if rcfg.batch_branches else 1, R)
-                    an = step_flops(family.layers, m, P, [R] * G, mode, rcfg.chunk_len, par.tp, store_probs=store) \
-                        if analytic else None
+                    an = step_flops(family.layers, m, P, [R] * G, mode, rcfg.chunk_len, par.tp, store_probs=store)
                     if naive is None and P <= a.naive_max_prompt and G <= a.naive_max_group:
                         fn = group_loss_fn(group, cfg.grpo, advantages(group.rewards, cfg.grpo))
                         copies = a.naive_copies if 0 < a.naive_copies < G else G
@@ -169,21 +163,20 @@ def main(argv=None) -> int:
                             par.device)
                         naive = {"seconds": nsecs * G / copies, "flops": nflops * G // copies, "peak_bytes": npeak,
                                  "copies_run": copies, "measured_flops_of_copies_run": nflops}
-                    nan = naive_flops(family.layers, m, P, [R] * G, par.tp) if analytic else None
+                    nan = naive_flops(family.layers, m, P, [R] * G, par.tp)
                     row = {"P": P, "R": R, "G": G, "mode": mode, "chunk_len": rcfg.chunk_len,
                            "attn_probs_budget_mib": rcfg.attn_probs_budget_mib, "store_probs": store,
                            "seconds": secs, "phase_seconds": st.seconds,
                            "tokens_per_s": {"capture": (P - 1) / max(st.seconds.get("capture", 1e-9), 1e-9),
                                             "replay": G * R / max(st.seconds.get("replay", 1e-9), 1e-9)},
-                           "flops_measured": flops, "flops_algorithm": an and an["algorithm"],
-                           "flops_minimum": an and an["minimum"],
+                           "flops_measured": flops, "flops_algorithm": an["algorithm"], "flops_minimum": an["minimum"],
                            "tflops_per_s": flops / secs / 1e12,
                            "fraction_of_peak": (flops / secs / 1e12 / a.peak_tflops) if a.peak_tflops else None,
-                           "measured_over_minimum": an and flops / an["minimum"]["total"],
-                           "measured_over_algorithm": an and flops / an["algorithm"]["total"],
+                           "measured_over_minimum": flops / an["minimum"]["total"],
+                           "measured_over_algorithm": flops / an["algorithm"]["total"],
                            "peak_bytes": peak, "state_bytes": st.state_bytes, "naive": naive,
                            "naive_flops_analytic": nan,
-                           "analytic_ratio_naive_over_replay": an and nan["minimum"] / an["minimum"]["total"],
+                           "analytic_ratio_naive_over_replay": nan["minimum"] / an["minimum"]["total"],
                            "measured_ratio_naive_over_replay": (naive["flops"] / flops) if naive else None}
                     rows.append(row)
                     print(_fmt(row), flush=True)
@@ -200,9 +193,6 @@ def print_table(path: str, config: str, overrides) -> int:
 
     m = load_config(config, overrides).model
     layers = get_family(m.family).layers
-    if m.family != "qwen3_5":
-        raise SystemExit(f"--table-from: the table's analytic columns need the FLOP model, which covers qwen3_5 "
-                         f"only; {config} is {m.family} (its JSON rows carry the measured figures)")
     rows = [r for p in path.split(",") for r in json.load(open(p))["rows"]]
     # naive does not depend on the replay mode: a row without it shows the naive run of another row at
     # the same (P, R, G), if one was measured

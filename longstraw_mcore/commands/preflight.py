@@ -11,9 +11,6 @@ from pathlib import Path
 
 from longstraw_mcore.config import ConfigError, RunConfig
 
-REPLAY_COMMANDS = ("train", "validate")
-
-
 def check_run(cfg: RunConfig, cmd: str, world_size: int | None) -> int | None:
     """Layout and dtype for `cmd`; returns the data-parallel size when the world size is known."""
     m, p = cfg.model, cfg.parallel

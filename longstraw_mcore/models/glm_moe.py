@@ -141,13 +141,13 @@ def _sequence_sharded_moe_class():
             tp = self._tp_group.size()
             if tp == 1:
                 return super().forward(hidden_states, *args, **kwargs)
-            S = hidden_states.shape[0]
-            if S % tp:
-                hidden_states = F.pad(hidden_states, (0, 0, 0, 0, 0, tp - S % tp))
+            T = hidden_states.shape[0]
+            if T % tp:
+                hidden_states = F.pad(hidden_states, (0, 0, 0, 0, 0, tp - T % tp))
             local = scatter_to_sequence_parallel_region(hidden_states, group=self._tp_group)
             out, bias = super().forward(local, *args, **kwargs)
             full = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False, group=self._tp_group)
-            return full[:S], bias
+            return full[:T], bias
 
     _CLASS = SequenceShardedMoE
     return _CLASS

@@ -1,10 +1,10 @@
 """DeepSeek Sparse Attention over MLA latents (GLM-5.2), plain torch: the reference path.
 
-Legend: B batch, S queries, T keys, H attention heads, Hi indexer heads, Di indexer head dim,
-R kv_lora_rank (the latent), Dn / Dr / Dv the no-RoPE / RoPE / value head dims, k the top-k.
+Shapes (package legend): B batch, T queries, S keys, H attention heads, Hi indexer heads, Di indexer
+head dim, R kv_lora_rank (the latent), Dn / Dr / Dv the no-RoPE / RoPE / value head dims, k the top-k.
 
-    indexer_scores   I[s, t] = sum_h w[s, h] ReLU(q[s, h] . key[t]) Di^-0.5 over the keys a query sees
-                     (t at or before it), -inf elsewhere; in >= float32
+    indexer_scores   I[t, s] = sum_h w[t, h] ReLU(q[t, h] . key[s]) Di^-0.5 over the keys a query sees
+                     (s at or before it), -inf elsewhere; in >= float32
     indexer_topk     the same over key blocks with a running best k (memory O(queries x (k + block)))
     select_topk      the k best keys per query with a deterministic tie-break: a higher score first,
                      among equal scores the earlier position. `torch.topk`'s order among ties depends on
@@ -13,8 +13,8 @@ R kv_lora_rank (the latent), Dn / Dr / Dv the no-RoPE / RoPE / value head dims, 
                      sequence length. Slots beyond a query's visible keys are marked invalid.
     mla_sparse       attention of the queries to their selected keys in absorbed form: the per-head
                      key/value up-projections (kv_b_proj: W_UK [H, Dn, R], W_UV [H, Dv, R]) are folded
-                     into the query and the output, so only the latent c_kv [B, T, R] and the shared
-                     RoPE key k_pe [B, T, Dr] are read: the expanded per-head K/V of the prompt (what a
+                     into the query and the output, so only the latent c_kv [B, S, R] and the shared
+                     RoPE key k_pe [B, S, Dr] are read: the expanded per-head K/V of the prompt (what a
                      Hugging Face cache builds, H (Dn + Dr + Dv) / (R + Dr) times larger: 57x for GLM-5.2,
                      64 x 512 / 576) never exists.
 
@@ -45,17 +45,17 @@ def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> 
 
 def indexer_scores(q: torch.Tensor, key: torch.Tensor, weights: torch.Tensor, q_pos: torch.Tensor,
                    k_pos: torch.Tensor) -> torch.Tensor:
-    """q [B, S, Hi, Di], key [B, T, Di], weights [B, S, Hi] (already scaled), positions [S] / [T] ->
-    scores [B, S, T] (float32, float64 for float64 inputs); keys after a query are -inf."""
+    """q [B, T, Hi, Di], key [B, S, Di], weights [B, T, Hi] (already scaled), positions [T] / [S] ->
+    scores [B, T, S] (float32, float64 for float64 inputs); keys after a query are -inf."""
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    s = torch.einsum("bshd,btd->bsht", q.to(work), key.to(work)) * q.shape[-1] ** -0.5
-    scores = torch.einsum("bsh,bsht->bst", weights.to(work), F.relu(s))
+    s = torch.einsum("bthd,bsd->bths", q.to(work), key.to(work)) * q.shape[-1] ** -0.5
+    scores = torch.einsum("bth,bths->bts", weights.to(work), F.relu(s))
     visible = k_pos[None, :] <= q_pos[:, None]
     return scores.masked_fill(~visible[None], float("-inf"))
 
 
 def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores [B, S, T] -> (indices [B, S, min(k, T)] long, valid [B, S, min(k, T)] bool): the best keys
+    """scores [B, T, S] -> (indices [B, T, min(k, S)] long, valid [B, T, min(k, S)] bool): the best keys
     first, equal scores broken toward the earlier position (a stable sort of the negated scores keeps
     the positions' order among ties); -inf (invisible) keys are never valid."""
     if k < 1:
@@ -68,20 +68,20 @@ def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 def indexer_topk(q: torch.Tensor, key: torch.Tensor, weights: torch.Tensor, q_pos: torch.Tensor,
                  k_pos: torch.Tensor, k: int, block: int = 4096,
                  counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`select_topk(indexer_scores(...))` over key blocks of `block` rows: (rows [B, S, k'] into `key`,
+    """`select_topk(indexer_scores(...))` over key blocks of `block` rows: (rows [B, T, k'] into `key`,
     their scores, -inf where invalid). Scores exist for one block at a time plus the running best k, so
-    memory is O(S (k + block)) rather than O(S T) (a 2M-token prompt has 2M keys per query). The keys
+    memory is O(T (k + block)) rather than O(T S) (a 2M-token prompt has 2M keys per query). The keys
     are in position order, so the running best (ties already in position order) followed by the next
-    block (later positions) and a stable sort give exactly the single-pass selection. `counted` [T]
+    block (later positions) and a stable sort give exactly the single-pass selection. `counted` [S]
     bool: only those keys may be chosen (context parallelism: parallel/cp_dsa.py)."""
-    B, S = q.shape[:2]
+    B, T = q.shape[:2]
     best_rows = best_vals = None
     for a in range(0, key.shape[1], block):
         b = min(key.shape[1], a + block)
         sc = indexer_scores(q, key[:, a:b], weights, q_pos, k_pos[a:b])
         if counted is not None:
             sc = sc.masked_fill(~counted[a:b], float("-inf"))
-        rows = torch.arange(a, b, device=q.device).expand(B, S, b - a)
+        rows = torch.arange(a, b, device=q.device).expand(B, T, b - a)
         if best_vals is not None:
             sc, rows = torch.cat([best_vals, sc], -1), torch.cat([best_rows, rows], -1)
         order, _ = select_topk(sc, k)
@@ -90,38 +90,38 @@ def indexer_topk(q: torch.Tensor, key: torch.Tensor, weights: torch.Tensor, q_po
 
 
 def _selected_logits(q_nope, q_pe, c_kv, k_pe, w_uk, idx, valid, scale):
-    """(logits [B, S, H, k] of every query to its selected keys, in >= float32, -inf where not valid;
-    the selected latents [B, S, k, R])."""
+    """(logits [B, T, H, k] of every query to its selected keys, in >= float32, -inf where not valid;
+    the selected latents [B, T, k, R])."""
     work = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
-    B, S, k = idx.shape
-    q_abs = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)                      # query in latent space
-    flat = idx.reshape(B, S * k)
-    c_sel = torch.gather(c_kv, 1, flat[..., None].expand(-1, -1, c_kv.shape[-1])).view(B, S, k, -1)
-    pe_sel = torch.gather(k_pe, 1, flat[..., None].expand(-1, -1, k_pe.shape[-1])).view(B, S, k, -1)
-    logits = (torch.einsum("bshr,bskr->bshk", q_abs, c_sel)
-              + torch.einsum("bshd,bskd->bshk", q_pe, pe_sel)).to(work) * scale
+    B, T, k = idx.shape
+    q_abs = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)                      # query in latent space
+    flat = idx.reshape(B, T * k)
+    c_sel = torch.gather(c_kv, 1, flat[..., None].expand(-1, -1, c_kv.shape[-1])).view(B, T, k, -1)
+    pe_sel = torch.gather(k_pe, 1, flat[..., None].expand(-1, -1, k_pe.shape[-1])).view(B, T, k, -1)
+    logits = (torch.einsum("bthr,btkr->bthk", q_abs, c_sel)
+              + torch.einsum("bthd,btkd->bthk", q_pe, pe_sel)).to(work) * scale
     return logits.masked_fill(~valid[:, :, None, :], float("-inf")), c_sel
 
 
 def mla_sparse(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                w_uk: torch.Tensor, w_uv: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
                scale: float) -> torch.Tensor:
-    """q_nope [B, S, H, Dn], q_pe [B, S, H, Dr] (rotated), c_kv [B, T, R], k_pe [B, T, Dr] (rotated),
-    w_uk [H, Dn, R], w_uv [H, Dv, R], idx / valid [B, S, k] -> [B, S, H, Dv]. Softmax in >= float32."""
+    """q_nope [B, T, H, Dn], q_pe [B, T, H, Dr] (rotated), c_kv [B, S, R], k_pe [B, S, Dr] (rotated),
+    w_uk [H, Dn, R], w_uv [H, Dv, R], idx / valid [B, T, k] -> [B, T, H, Dv]. Softmax in >= float32."""
     logits, c_sel = _selected_logits(q_nope, q_pe, c_kv, k_pe, w_uk, idx, valid, scale)
     p = torch.softmax(logits, dim=-1).to(c_kv.dtype)
-    o_lat = torch.einsum("bshk,bskr->bshr", p, c_sel)                          # attention output, latent
-    return torch.einsum("bshr,hvr->bshv", o_lat, w_uv)
+    o_lat = torch.einsum("bthk,btkr->bthr", p, c_sel)                          # attention output, latent
+    return torch.einsum("bthr,hvr->bthv", o_lat, w_uv)
 
 
 def mla_sparse_partial(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                        w_uk: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`mla_sparse` over a part of the keys, before the value up-projection: (o_lat [B, S, H, R], the
-    softmax-weighted latents over this part's valid keys; lse [B, S, H], their log-sum-exp, -inf where a
+    """`mla_sparse` over a part of the keys, before the value up-projection: (o_lat [B, T, H, R], the
+    softmax-weighted latents over this part's valid keys; lse [B, T, H], their log-sum-exp, -inf where a
     query has none here). Parts merge by log-sum-exp (parallel/cp_dsa.py); then o = o_lat W_UV."""
     logits, c_sel = _selected_logits(q_nope, q_pe, c_kv, k_pe, w_uk, idx, valid, scale)
     lse = torch.logsumexp(logits, dim=-1)
     none = torch.isinf(lse)
     p = torch.exp(logits - torch.where(none, torch.zeros_like(lse), lse)[..., None]).to(c_kv.dtype)
-    return torch.einsum("bshk,bskr->bshr", p, c_sel), lse
+    return torch.einsum("bthk,btkr->bthr", p, c_sel), lse

@@ -205,4 +205,4 @@ def attend_latent_sharded(query, keys, own, tp_group, kv, layout: CPLayout | Non
         o_lat = LocalHeads.apply(o_lat, kv)
     if chunk is not None:
         o_lat = LocalRows.apply(o_lat, layout, chunk[0])
-    return torch.einsum("bshr,hvr->bshv", o_lat, query.w_uv), selection
+    return torch.einsum("bthr,hvr->bthv", o_lat, query.w_uv), selection

@@ -111,10 +111,3 @@ def setup_parallel(cfg: RunConfig) -> Parallel:
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     return Parallel(pgs=pgs, device=dev, tp=p.tp, pp=p.pp, cp=p.cp, dp=dp, rank=dist.get_rank(), world_size=world,
                     stage_layers=stages, ep=p.ep, tp_kv=tp_kv)
-
-
-def teardown() -> None:
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()

@@ -64,9 +64,6 @@ class MLALatentState(LayerState):
         self.leaves: tuple | None = None
         self.produced: dict = {}
 
-    def _tensors(self):
-        return [t for t in (self.c, self.pe, self.ik) if t is not None]
-
     def _before(self, i: int) -> int:
         """This rank's stored rows among the first i of its positions."""
         return len(range(self.r, i, self.n))

@@ -89,9 +89,6 @@ class GatedDeltaNetMixer(MegatronModule):
                                             init_method=config.output_layer_init_method, bias=False,
                                             input_is_parallel=True, skip_bias_add=True, tp_group=self.tp_group)
 
-    def conv_channels(self) -> int:
-        return 2 * self.hk * self.dk + self.hv * self.dv
-
     def _core(self, q, k, v, b, a, heads: tuple[int, int], state: GDNState | None):
         """Conv + gated delta rule of q/k heads [h0, h1) (of this TP rank's) and the value heads they
         serve, from `state` to the returned one. q, k [B, T, h, Dk] and v [B, T, h*r, Dv] pre-conv,
