@@ -40,10 +40,12 @@ def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float 
     from longstraw_mcore.planner.flops import step_flops
 
     p = cfg.parallel
-    phases = step_flops(family.layers, cfg.model, P, [R] * G, cfg.replay.mode, cfg.replay.chunk_len)["algorithm"]
-    # per rank: tp and pp split every phase; capture and the prompt backward are split over cp too
-    # (each CP rank its share of the prompt), branches run whole on every CP rank
-    split = {ph: p.tp * p.pp * (p.cp if ph != "replay" else 1) for ph in phases if ph != "total"}
+    # per rank: the layer records count one TP rank (the largest); pp splits every phase; capture and the
+    # prompt backward are split over cp too (each CP rank its share of the prompt), branches run whole on
+    # every CP rank
+    phases = step_flops(family.layers, cfg.model, P, [R] * G, cfg.replay.mode, cfg.replay.chunk_len,
+                        p.tp)["algorithm"]
+    split = {ph: p.pp * (p.cp if ph != "replay" else 1) for ph in phases if ph != "total"}
     out["flops"] = {ph: phases[ph] / split[ph] for ph in split}
     out["seconds"] = {ph: f / (dev.bf16_flops * efficiency) for ph, f in out["flops"].items()}
     return out

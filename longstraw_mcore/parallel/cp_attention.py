@@ -1,8 +1,8 @@
 """Attention across context-parallel ranks: the prompt's K/V sharded by sequence, merged by log-sum-exp.
 
 Both functions below are single autograd nodes built on the partial kernels of `ops/` (through the
-same `_kernel` seam as single-rank attention, so a fused kernel plugs in without touching this file).
-Legend: n CP ranks, T chunk tokens, R branch tokens, O / lse the softmax output and log-sum-exp over
+same `kernel` seam as single-rank attention, ops/attention.py, so a fused kernel plugs in without
+touching this file). Shapes (package legend): n CP ranks, T chunk tokens, R branch tokens, O / lse the softmax output and log-sum-exp over
 the union of every rank's keys; delta = rowsum(dO * O) - dlse.
 
 `replay_attention` (a branch, replicated on every CP rank). Rank r computes the branch queries'

@@ -20,6 +20,15 @@ is computed, also a slot beyond a query's visible keys (marked invalid): `minimu
 min(k, position + 1) valid ones and the indexer's scores of visible keys, and no log-prob recompute.
 Exact mode's recompute of the model's last layer stops after its latents (kv_a_proj; on a full layer
 also the indexer key, without autograd).
+
+Tensor parallelism, per rank (the largest: rank 0 of the TP group, which keeps the most rows): the
+projections split by tp; with a prompt state (capture, replay, the sweep) the latent is striped over
+the TP ranks (parallel/cp_dsa.py), so each rank's queries of every head (gathered) meet its stripe in
+all index_topk slots of the global selection, and its indexer scores its rows only (ceil(n / tp) of n
+positions, plus a call's own rows, which every rank holds); W_UV and o_proj stay per rank. A plain
+forward (naive GRPO) keeps the latents whole on every rank: its own heads, the whole indexer. The MoE
+block splits its tokens by sequence (ceil(T / tp) each). Context parallelism is not modelled here
+(the plan divides by cp).
 """
 
 from __future__ import annotations
@@ -37,28 +46,28 @@ def _visible(T: int, start: int) -> int:
     return T * start + T * (T + 1) // 2
 
 
+def _stripe(n: int, tp: int) -> int:
+    """Rows the largest TP rank (rank 0) keeps of n positions striped over tp (prompt_state/mla.py)."""
+    return -(-n // tp)
+
+
 class MLADSAFlops:
     def __init__(self, indexer: bool):
         self.indexer = indexer
         """A full indexer layer (computes its top-k); shared layers reuse the previous full layer's."""
 
     @staticmethod
-    def _linear(m, tp: int, layer: int) -> int:
-        """Weights of the projections and the MLP one token meets on this rank (the router replicated)."""
+    def _linear(m, tp: int, layer: int, T: int) -> float:
+        """The projections and the MLP of T tokens on this rank. The MoE layer splits its tokens by
+        sequence over TP (padded to a multiple of tp: models/glm_moe.py), its router replicated, its
+        experts whole, its shared experts tensor-parallel over the gathered tokens."""
         H, R, Dr, Q, nh = m.hidden_size, m.kv_lora_rank, m.qk_rope_head_dim, m.q_lora_rank, m.num_attention_heads
-        proj = (H * (R + Dr) + H * Q + Q * nh * (m.qk_nope_head_dim + Dr) + nh * m.v_head_dim * H) // tp
+        proj = 2.0 * T * ((H * (R + Dr) + H * Q + Q * nh * (m.qk_nope_head_dim + Dr) + nh * m.v_head_dim * H) // tp)
         if m.mlp_types[layer] == "dense":
-            return proj + 3 * H * m.intermediate_size // tp
-        moe = 3 * m.num_experts_per_tok * H * m.moe_intermediate_size + 3 * H * m.moe_intermediate_size * m.n_shared_experts
-        return proj + H * m.n_routed_experts + moe
-
-    @staticmethod
-    def _attn_per_slot(m, tp: int) -> int:
-        return (m.num_attention_heads // tp) * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
-
-    @staticmethod
-    def _attn_per_token(m, tp: int) -> int:
-        return (m.num_attention_heads // tp) * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank
+            return proj + 2.0 * T * (3 * H * m.intermediate_size // tp)
+        I, Tr = m.moe_intermediate_size, -(-T // tp)
+        routed = 2.0 * Tr * (H * m.n_routed_experts + 3 * m.num_experts_per_tok * H * I)
+        return proj + routed + 2.0 * Tr * tp * (3 * H * I * m.n_shared_experts // tp)
 
     def _index(self, m, tp: int, T: int, pairs: int) -> float:
         """The indexer of T queries scoring `pairs` (query, key) pairs (no autograd)."""
@@ -67,23 +76,37 @@ class MLADSAFlops:
         H, Q, Hi, Di = m.hidden_size, m.q_lora_rank, m.index_n_heads, m.index_head_dim
         return 2.0 * T * ((H * Di + Q * Hi * Di + H * Hi) // tp) + 2.0 * pairs * Hi * (Di + 1)
 
-    def _call(self, m, tp: int, layer: int, T: int, start: int, S: int, kind: str, grad: bool) -> float:
-        """T tokens at positions start.. whose queries see a key set of S keys (the set ends at the last)."""
-        k = min(m.index_topk, S)
+    def _call(self, m, tp: int, layer: int, T: int, start: int, S: int, kind: str, grad: bool,
+              rows: int | None = None) -> float:
+        """T tokens at positions start.. whose queries see a key set of S keys (the set ends at the last).
+        `rows`: the key rows this rank holds where the state is striped over TP (tp > 1): every head's
+        queries then meet them (gathered over the group) in all index_topk slots of the global
+        selection, and the indexer scores only them; None: the key set is whole here. `minimum`: the
+        one-rank minimum split evenly over tp."""
+        if kind == "minimum" and tp > 1:
+            return self._call(m, 1, layer, T, start, S, kind, grad) / tp
+        h, nh, R = m.num_attention_heads // tp, m.num_attention_heads, m.kv_lora_rank
+        if rows is None:
+            k, heads, pairs = min(m.index_topk, S), h, T * S
+        else:
+            k, heads, pairs = m.index_topk, nh, T * rows
         slots = T * k if kind == "algorithm" else _valid_slots(T, start, k)
-        pairs = T * S if kind == "algorithm" else _visible(T, start)
-        fwd = 2.0 * (T * (self._linear(m, tp, layer) + self._attn_per_token(m, tp)) + slots * self._attn_per_slot(m, tp))
-        return fwd * (3 if grad else 1) + self._index(m, tp, T, pairs)
+        if kind != "algorithm":
+            pairs = _visible(T, start)
+        attn = 2.0 * (T * heads * m.qk_nope_head_dim * R + slots * heads * (2 * R + m.qk_rope_head_dim)
+                      + T * h * R * m.v_head_dim)
+        return (self._linear(m, tp, layer, T) + attn) * (3 if grad else 1) + self._index(m, tp, T, pairs)
 
     def capture(self, m, tp, layer, chunks, kind):
-        return sum(self._call(m, tp, layer, e - s, s, e, kind, grad=False) for s, e in chunks)
+        return sum(self._call(m, tp, layer, e - s, s, e, kind, grad=False, rows=_stripe(e, tp) if tp > 1 else None)
+                   for s, e in chunks)
 
     def replay(self, m, tp, layer, R, Pc, exact, store_probs, kind):
-        return self._call(m, tp, layer, R, Pc, Pc + R, kind, grad=True)
+        return self._call(m, tp, layer, R, Pc, Pc + R, kind, grad=True, rows=_stripe(Pc, tp) + R if tp > 1 else None)
 
     def recompute(self, m, tp, layer, s, e, last, kind):
         if not last:
-            return self._call(m, tp, layer, e - s, s, e, kind, grad=True)
+            return self._call(m, tp, layer, e - s, s, e, kind, grad=True, rows=_stripe(s, tp) + e - s if tp > 1 else None)
         T, H = e - s, m.hidden_size
         latents = 3 * 2.0 * T * (H * (m.kv_lora_rank + m.qk_rope_head_dim) // tp)
         return latents + (2.0 * T * (H * m.index_head_dim // tp) if self.indexer else 0.0)
@@ -92,4 +115,4 @@ class MLADSAFlops:
         return self._call(m, tp, layer, R, Pc, Pc + R, "minimum", grad=False)
 
     def naive(self, m, tp, layer, T, kind):
-        return self._call(m, tp, layer, T, 0, T, kind, grad=True)
+        return self._call(m, tp, layer, T, 0, T, kind, grad=True)  # a plain forward: no state, nothing striped

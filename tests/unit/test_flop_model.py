@@ -2,9 +2,9 @@
 counts on the real code path, FLOP for FLOP: branch replay in both modes, with the attention
 probabilities recomputed or stored, naive full-sequence GRPO, at TP=1 and TP=2 (per rank), for
 prompt/branch lengths that are not multiples of the attention block, the GDN chunk or the capture
-chunk, a one-token branch and a one-token prompt. GLM-5.x (planner/flops_mla.py) likewise at TP=1, on
-the tiny GLM config at 8 layers (full and shared indexer layers, dense and MoE MLPs): both modes and
-naive, keys past the top-k and past an indexer block, a one-token prompt. The benchmark's "measured /
+chunk, a one-token branch and a one-token prompt. GLM-5.x (planner/flops_mla.py) likewise at TP=1 and
+TP=2 (per rank), on the tiny GLM config at 4 layers (full and shared indexer layers, dense and MoE MLPs):
+both modes and naive, keys past the top-k and past an indexer block, a one-token prompt. The benchmark's "measured /
 minimum" ratios and `longstraw plan`'s FLOPs rest on this model, so it must be exact, not close."""
 
 from __future__ import annotations
@@ -81,8 +81,10 @@ def _worker(rank, world_size):
 
 
 def _glm_rows(root):
-    """GLM-5.2-tiny at 8 layers (indexer full on 0, 1, 2, 6; MoE from 3), TP=1: index_block=5 and
-    index_topk=8 below the keys a query sees, chunks of 7 over a 41-token prompt."""
+    """GLM-5.2-tiny at 4 layers (indexer full on 0, 1, 2, shared on 3; dense 0-2, MoE 3) at TP=1 and TP=2
+    (per rank: the latent striped over TP, every head's queries gathered onto each stripe, the MoE tokens
+    split by sequence): index_block=5 and index_topk=8 below the keys a query sees, chunks of 12 over a
+    30-token prompt, branches of 1 and 6 tokens; a one-token prompt at TP=1."""
     import os
 
     import torch
@@ -98,23 +100,27 @@ def _glm_rows(root):
     from longstraw_mcore.replay.reference import full_sequence_branches
 
     m = load_config(os.path.join(root, "configs", "glm-5.2-tiny.yaml"),
-                    ["model.num_layers=8", "model.index_block=5"]).model
+                    ["model.num_layers=4", "model.index_block=5"]).model
     family = get_family(m.family)
-    model = family.build_model(m, setup_parallel(RunConfig(model=m, parallel=ParallelConfig(), device="cpu")), "cpu")
     g, gcfg, rows = torch.Generator().manual_seed(1), GRPOConfig(), []
-    for P, lens in ((41, [1, 9, 4]), (1, [5, 2])):
-        prompt = torch.randint(0, m.vocab_size, (P,), generator=g).tolist()
-        resp = [torch.randint(0, m.vocab_size, (n,), generator=g).tolist() for n in lens]
-        group = RolloutGroup(prompt=prompt, responses=resp, rewards=[float(i) for i in range(len(lens))])
-        for mode in ("detached", "exact"):
-            model.zero_grad(set_to_none=True)
+    cases = [(P, [torch.randint(0, m.vocab_size, (n,), generator=g).tolist() for n in lens],
+              torch.randint(0, m.vocab_size, (P,), generator=g).tolist()) for P, lens in ((30, [1, 6]), (1, [5, 2]))]
+    for tp in (1, 2):
+        par = setup_parallel(RunConfig(model=m, parallel=ParallelConfig(tp=tp), device="cpu"))
+        model = family.build_model(m, par, "cpu")
+        for P, resp, prompt in cases if tp == 1 else cases[:1]:
+            lens = [len(r) for r in resp]
+            group = RolloutGroup(prompt=prompt, responses=resp, rewards=[float(i) for i in range(len(lens))])
+            for mode in ("detached", "exact"):
+                model.zero_grad(set_to_none=True)
+                with FlopCounterMode(display=False) as fc:
+                    process_group(model, group, ReplayConfig(mode=mode, chunk_len=12, logprob_chunk=4), gcfg)
+                rows.append((tp, P, mode, fc.get_total_flops(),
+                             step_flops(family.layers, m, P, lens, mode, 12, tp)["algorithm"]["total"]))
+            fn = group_loss_fn(group, gcfg, advantages(group.rewards, gcfg))
             with FlopCounterMode(display=False) as fc:
-                process_group(model, group, ReplayConfig(mode=mode, chunk_len=7, logprob_chunk=4), gcfg)
-            rows.append((P, mode, fc.get_total_flops(),
-                         step_flops(family.layers, m, P, lens, mode, 7)["algorithm"]["total"]))
-        with FlopCounterMode(display=False) as fc:
-            full_sequence_branches(model, prompt, resp, group_loss_fn(group, gcfg, advantages(group.rewards, gcfg)), 4)
-        rows.append((P, "naive", fc.get_total_flops(), naive_flops(family.layers, m, P, lens)["algorithm"]))
+                full_sequence_branches(model, prompt, resp, fn, 4)
+            rows.append((tp, P, "naive", fc.get_total_flops(), naive_flops(family.layers, m, P, lens, tp)["algorithm"]))
     return rows
 
 
@@ -136,9 +142,9 @@ def test_flop_model_equals_flop_counter():
             assert by[(tp, 140, mode, True)] < by[(tp, 140, mode, False)]
     for tp, _, at, below in thresholds:
         assert at and not below, (tp, at, below)
-    glm = res["glm"]
-    for P, mode, measured, analytic in glm:
-        print(f"GLM P={P} {mode:>8}: FlopCounterMode {measured:,} analytic {analytic:,.0f}")
-    assert len(glm) == 2 * 3
-    for P, mode, measured, analytic in glm:
-        assert measured == analytic and measured > 0, (P, mode, measured, analytic)
+    glm = res["glm"]  # rank 0's: the largest TP rank, whose count the model gives
+    for tp, P, mode, measured, analytic in glm:
+        print(f"GLM tp={tp} P={P} {mode:>8}: FlopCounterMode {measured:,} analytic {analytic:,.0f}")
+    assert len(glm) == 3 * 3  # TP=1: P=30 and P=1, TP=2: P=30; each detached, exact, naive
+    for tp, P, mode, measured, analytic in glm:
+        assert measured == analytic and measured > 0, (tp, P, mode, measured, analytic)
