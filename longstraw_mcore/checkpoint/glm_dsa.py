@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from longstraw_mcore.adapters.sites import Part, Site
 from longstraw_mcore.checkpoint import rule_table
 from longstraw_mcore.checkpoint.common import CheckpointError, config_dtype, read_config_json
 from longstraw_mcore.checkpoint.rule_table import Rule
@@ -76,6 +77,35 @@ def rules(m) -> list[Rule]:
             out += [Rule((s + "gate_proj.weight", s + "up_proj.weight"), (g + "mlp.shared_experts.linear_fc1.weight",),
                          "concat_rows", (Is, Is)),
                     Rule((s + "down_proj.weight",), (g + "mlp.shared_experts.linear_fc2.weight",), "identity")]
+    return out
+
+
+def adapter_sites(m) -> list[Site]:
+    """Every projection an adapter may target (adapters/sites.py). Routed experts by their stored names
+    (`mlp.experts.{e}.gate_proj`), each its own adapter on the EP rank that holds the expert."""
+    shapes = m.projection_shapes()
+    H, I = m.hidden_size, m.moe_intermediate_size
+    out = []
+    for i in range(m.num_layers):
+        h, g = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for x, kind in (("q_a_proj", "gathered"), ("q_b_proj", "column"), ("kv_a_proj_with_mqa", "gathered"),
+                        ("kv_b_proj", "column"), ("o_proj", "row")):
+            out.append(Site(h + "self_attn." + x, x, shapes[x], kind, (Part(g + "self_attention." + x, (0, shapes[x][0])),), i))
+
+        def mlp(hf, mc, inner, kind, expert=None):
+            return [Site(hf + "gate_proj", "gate_proj", (inner, H), kind, (Part(mc + "linear_fc1", (0, inner), 0),), i, expert),
+                    Site(hf + "up_proj", "up_proj", (inner, H), kind, (Part(mc + "linear_fc1", (0, inner), 1),), i, expert),
+                    Site(hf + "down_proj", "down_proj", (H, inner), "row" if kind == "column" else kind,
+                         (Part(mc + "linear_fc2", (0, H)),), i, expert)]
+
+        if m.mlp_types[i] == "dense":
+            out += mlp(h + "mlp.", g + "mlp.", m.intermediate_size, "column")
+            continue
+        if m.n_shared_experts:
+            out += mlp(h + "mlp.shared_experts.", g + "mlp.shared_experts.", I * m.n_shared_experts, "column")
+        for e in range(m.n_routed_experts):
+            out += mlp(f"{h}mlp.experts.{e}.", f"{g}mlp.experts.local_experts.{e}.", I, "expert", e)
+    out.append(Site("lm_head", "lm_head", shapes["lm_head"], "column", (Part("output_layer", (0, m.vocab_size)),), None))
     return out
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from longstraw_mcore.adapters.sites import Part, Site
 from longstraw_mcore.checkpoint import rule_table
 from longstraw_mcore.checkpoint.common import CheckpointError, config_dtype, read_config_json
 from longstraw_mcore.checkpoint.rule_table import Rule
@@ -96,6 +97,38 @@ def hf_shapes(m: Qwen35Config) -> dict[str, tuple[int, ...]]:
                            a + "A_log": (nv,), a + "dt_bias": (nv,),
                            a + "norm.weight": (m.linear_value_head_dim,), a + "out_proj.weight": (H, vd)})
     return shapes
+
+
+def adapter_sites(m: Qwen35Config) -> list[Site]:
+    """Every projection an adapter may target (adapters/sites.py), in the order PEFT lists modules."""
+    shapes = m.projection_shapes()
+
+    def site(name, target, kind, parts, layer):
+        return Site(name, target, shapes[target], kind, tuple(parts), layer)
+
+    out = []
+    for i, kind in enumerate(m.layer_types):
+        h, g = f"model.layers.{i}.", f"decoder.layers.{i}."
+        s = g + "self_attention."
+        if kind == "full_attention":
+            for x, y, k in (("q_proj", "linear_q", "column"), ("k_proj", "linear_k", "column"),
+                            ("v_proj", "linear_v", "column"), ("o_proj", "linear_proj", "row")):
+                out.append(site(h + "self_attn." + x, x, k, [Part(s + y, (0, shapes[x][0]))], i))
+        else:
+            a = h + "linear_attn."
+            kd, _, vd = _sizes(m)
+            out.append(site(a + "in_proj_qkv", "in_proj_qkv", "column",
+                            [Part(s + "in_proj_q", (0, kd)), Part(s + "in_proj_k", (kd, 2 * kd)),
+                             Part(s + "in_proj_v", (2 * kd, 2 * kd + vd))], i))
+            for x in ("in_proj_z", "in_proj_b", "in_proj_a"):
+                out.append(site(a + x, x, "column", [Part(s + x, (0, shapes[x][0]))], i))
+            out.append(site(a + "out_proj", "out_proj", "row", [Part(s + "out_proj", (0, shapes["out_proj"][0]))], i))
+        F = m.intermediate_size
+        out += [site(h + "mlp.gate_proj", "gate_proj", "column", [Part(g + "mlp.linear_fc1", (0, F), 0)], i),
+                site(h + "mlp.up_proj", "up_proj", "column", [Part(g + "mlp.linear_fc1", (0, F), 1)], i),
+                site(h + "mlp.down_proj", "down_proj", "row", [Part(g + "mlp.linear_fc2", (0, m.hidden_size))], i)]
+    out.append(site("lm_head", "lm_head", "column", [Part("output_layer", (0, m.vocab_size))], None))
+    return out
 
 
 def check_hf_tensors(tensors: Mapping, m: Qwen35Config, where: str = "checkpoint") -> None:

@@ -11,11 +11,13 @@ allocation or write.
     qwen3_5.py     Qwen35Config: the Qwen3.5/3.6 hybrid's dimensions and the layouts it splits over
     glm_dsa.py     GlmDsaConfig: GLM-5.x's dimensions and layouts; glm_5_2() its real dimensions
     layout.py      ParallelConfig
+    adapter.py     AdapterConfig: LoRA / QLoRA (adapters/)
     sections.py    replay, grpo, rollout, ops, task, train
     run.py         RunConfig; ModelConfig (any family's); the family -> config class table
     loader.py      YAML + key=value overrides
 """
 
+from longstraw_mcore.config.adapter import AdapterConfig
 from longstraw_mcore.config.errors import ConfigError
 from longstraw_mcore.config.glm_dsa import GlmDsaConfig, glm_5_2
 from longstraw_mcore.config.layout import ParallelConfig
@@ -25,6 +27,6 @@ from longstraw_mcore.config.run import MODEL_CONFIGS, ModelConfig, RunConfig
 from longstraw_mcore.config.sections import (GRPOConfig, OpsConfig, ReplayConfig, RolloutConfig, TaskConfig,
                                              TrainConfig)
 
-__all__ = ["ConfigError", "ModelConfig", "Qwen35Config", "GlmDsaConfig", "glm_5_2", "ParallelConfig", "ReplayConfig",
+__all__ = ["AdapterConfig", "ConfigError", "ModelConfig", "Qwen35Config", "GlmDsaConfig", "glm_5_2", "ParallelConfig", "ReplayConfig",
            "GRPOConfig", "RolloutConfig", "OpsConfig", "TaskConfig", "TrainConfig", "RunConfig", "MODEL_CONFIGS",
            "load_config", "apply_overrides", "config_to_dict", "model_config_from_dict"]

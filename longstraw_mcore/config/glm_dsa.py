@@ -134,6 +134,21 @@ class GlmDsaConfig(ModelBase):
         group, the state striped over it by sequence: prompt_state/mla.py)."""
         return 1
 
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """Every projection an adapter may target, by its Hugging Face module name: (out, in). A name
+        covers each module it ends (gate_proj: the dense MLPs', the shared and the routed experts'), so
+        its shape here is the smallest of them (the one the adapter rank must fit)."""
+        H, nh, R = self.hidden_size, self.num_attention_heads, self.kv_lora_rank
+        Dn, Dr, Dv = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        inner = [self.intermediate_size] if self.first_k_dense_replace else []
+        if self.first_k_dense_replace < self.num_layers:
+            inner += [self.moe_intermediate_size] + ([self.moe_intermediate_size * self.n_shared_experts]
+                                                     if self.n_shared_experts else [])
+        Fm = min(inner)
+        return {"q_a_proj": (self.q_lora_rank, H), "q_b_proj": (nh * (Dn + Dr), self.q_lora_rank),
+                "kv_a_proj_with_mqa": (R + Dr, H), "kv_b_proj": (nh * (Dn + Dv), R), "o_proj": (H, nh * Dv),
+                "gate_proj": (Fm, H), "up_proj": (Fm, H), "down_proj": (H, Fm), "lm_head": (self.vocab_size, H)}
+
     @property
     def mlp_types(self) -> list[str]:
         return ["dense" if i < self.first_k_dense_replace else "moe" for i in range(self.num_layers)]

@@ -95,6 +95,17 @@ class Qwen35Config(ModelBase):
         (parallel/kv_group.py)."""
         return self.num_key_value_heads
 
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """Every projection an adapter may target, by its Hugging Face module name: (out, in)."""
+        H, D, kd = self.hidden_size, self.head_dim, self.linear_num_key_heads * self.linear_key_head_dim
+        vd, nv, F = self.linear_num_value_heads * self.linear_value_head_dim, self.linear_num_value_heads, \
+            self.intermediate_size
+        return {"q_proj": (self.num_attention_heads * D * 2, H), "k_proj": (self.num_key_value_heads * D, H),
+                "v_proj": (self.num_key_value_heads * D, H), "o_proj": (H, self.num_attention_heads * D),
+                "in_proj_qkv": (2 * kd + vd, H), "in_proj_z": (vd, H), "in_proj_b": (nv, H),
+                "in_proj_a": (nv, H), "out_proj": (H, vd),
+                "gate_proj": (F, H), "up_proj": (F, H), "down_proj": (H, F), "lm_head": (self.vocab_size, H)}
+
     @property
     def state_dtype(self):
         """dtype of the GDN decay and recurrent state: at least float32."""

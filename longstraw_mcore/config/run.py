@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from longstraw_mcore.config.adapter import AdapterConfig
 from longstraw_mcore.config.errors import ConfigError, check_choices
 from longstraw_mcore.config.glm_dsa import GlmDsaConfig
 from longstraw_mcore.config.layout import ParallelConfig
@@ -33,6 +34,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     ops: OpsConfig = field(default_factory=OpsConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
     device: Literal["cpu", "cuda", "auto"] = "auto"
     """`cpu` (gloo), `cuda` (NCCL), or `auto`: cuda when available."""
     seed: int = 1234
@@ -40,6 +42,11 @@ class RunConfig:
     def __post_init__(self) -> None:
         check_choices(self, "")
         self.model.check_layout(self.parallel)
+        self.adapter.check_against(self.model.projection_shapes(), self.model.family)
+        if self.replay.reuse_steps > 1 and self.adapter.prompt != "frozen":
+            raise ConfigError(f"replay.reuse_steps={self.replay.reuse_steps}: one capture serves several optimizer "
+                              "steps only when the prompt state does not depend on trainable weights; set "
+                              "adapter.prompt=frozen (with adapter.rank > 0), or replay.reuse_steps=1")
         bad = [t for t in self.rollout.stop_ids if t >= self.model.vocab_size]
         if bad:
             raise ConfigError(f"rollout.stop_ids={self.rollout.stop_ids}: {bad} not below model.vocab_size="

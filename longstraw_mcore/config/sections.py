@@ -26,9 +26,13 @@ class ReplayConfig:
     recompute: the FLOP minimum) when they fit in this many MiB per rank, summed over this rank's
     attention layers (layers x local heads x branch tokens x prompt tokens x 4 B, 8 B in float64);
     otherwise, and at 0 (default), the backward recomputes them (memory O(branch x block))."""
+    reuse_steps: int = 1
+    """`train`: one captured prompt state serves this many optimizer steps, each replaying newly
+    sampled branches (needs adapter.prompt=frozen: the state must not depend on trainable weights)."""
 
     def __post_init__(self):
         check_choices(self, "replay")
+        check_ints(self, "replay", ("reuse_steps",))
         if not self.attn_probs_budget_mib >= 0:
             raise ConfigError(f"replay.attn_probs_budget_mib={self.attn_probs_budget_mib}: must be >= 0 "
                               "(0 = always recompute)")

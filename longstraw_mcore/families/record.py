@@ -16,7 +16,7 @@ class Family:
     """(ModelConfig, Parallel, device) -> this rank's model (its pipeline stage, its TP shard)."""
     checkpoint: ModuleType
     """checkpoint/<name>.py: `read_config`, `hf_config_dict`, `tensor_name`, `config_is_decoder_only`,
-    `rules`, `hf_shapes`, `hf_to_mcore`, `mcore_to_hf`, `LazyCanonical`, `skipped_names`."""
+    `rules`, `hf_shapes`, `hf_to_mcore`, `mcore_to_hf`, `LazyCanonical`, `skipped_names`, `adapter_sites`."""
     architectures: tuple[str, ...]
     layers: dict
     """Layer type (as `ModelConfig.layer_types` names it) -> its `LayerKind` record."""

@@ -16,6 +16,7 @@ chunk and replays every branch whole: prompt_state/contexts.py). The objective i
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -27,7 +28,7 @@ from longstraw_mcore.replay.local import execute_local
 from longstraw_mcore.replay.pipeline import execute_pipeline
 from longstraw_mcore.replay.plan import Step, chunk_spans, plan_group, replay_steps, with_transitions
 from longstraw_mcore.replay.steps import (BranchLoss, BranchResult, GroupInputs, core_of, new_state,
-                                          same_schedule_over_ep, stores_attention_probs)
+                                          prompt_is_frozen, same_schedule_over_ep, stores_attention_probs)
 
 __all__ = ["ReplayConfig", "BranchResult", "capture", "replay_branches", "run_group", "score_group", "make_leaves",
            "stores_attention_probs", "execute"]
@@ -83,12 +84,17 @@ def run_group(model, prompt: list[int], responses: list[list[int]], loss_fn: Bra
     Returns (results, state) or, with `timed`, (results, state, seconds per phase)."""
     t0 = time.perf_counter()
     order = list(range(len(responses))) if order is None else order
-    plan = plan_group(len(prompt) - 1, cfg.chunk_len, order, cfg.mode, cfg.batch_branches)
+    # adapter.prompt=frozen: the prompt state depends on no trainable weight, so the exact gradient is
+    # the detached one and the prompt sweep is skipped
+    if prompt_is_frozen(model) and cfg.mode == "exact":
+        cfg = dataclasses.replace(cfg, mode="detached")
+    mode = cfg.mode
+    plan = plan_group(len(prompt) - 1, cfg.chunk_len, order, mode, cfg.batch_branches)
     results, state, seconds = execute(model, plan, _group(model, prompt, responses, loss_fn, cfg),
-                                      state_grad=cfg.mode == "exact" and loss_fn is not None)
+                                      state_grad=mode == "exact" and loss_fn is not None)
     seconds.setdefault("capture", 0.0)
     seconds.setdefault("replay", 0.0)
-    if cfg.mode == "exact" and state.length > 0:
+    if mode == "exact" and state.length > 0:
         seconds.setdefault("prompt_backward", 0.0)
     seconds["total"] = time.perf_counter() - t0
     ordered = [results[b] for b in sorted(results)]

@@ -18,6 +18,8 @@ hook in, after every backward.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -129,10 +131,24 @@ def capture_chunk(core, state: PromptState, step: Step, g: GroupInputs, layout: 
     ls0 = state.local_bounds[-1][1] if state.local_bounds else 0
     state.chunk_bounds.append(step.span)
     state.local_bounds.append((ls0, ls0 + local_count(s1 - s0, cp, rank)))
-    with torch.no_grad():
+    with torch.no_grad(), prompt_adapters(core):
         out = core.forward_hidden(chunk_ids(g, step.span, layout), CaptureContext(state, step.index, keep, layout))
     state.length = s1
     return out
+
+
+def prompt_adapters(core):
+    """The adapters at prompt positions: as they are, or off with adapter.prompt=frozen (the prompt
+    state then depends on the frozen base only)."""
+    aset = getattr(core, "adapters", None)
+    return aset.disabled() if aset is not None and aset.cfg.prompt == "frozen" else contextlib.nullcontext()
+
+
+def prompt_is_frozen(model) -> bool:
+    """Whether no trainable weight acts at prompt positions (adapter.prompt=frozen): exact mode's prompt
+    sweep would then add no gradient, and detached mode is exact."""
+    aset = getattr(core_of(model), "adapters", None)
+    return aset is not None and aset.cfg.prompt == "frozen"
 
 
 def replay_inputs(g: GroupInputs, bs: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +200,7 @@ def replay_step(core, state: PromptState, step: Step, g: GroupInputs, device, la
 def recompute_chunk(core, state: PromptState, step: Step, g: GroupInputs, layout: CPLayout | None):
     """Exact mode: chunk `step.index` recomputed with autograd against the earlier chunks' state; returns
     this stage's output (None on the last stage, which stops at its last layer's state)."""
-    with torch.enable_grad():
+    with torch.enable_grad(), prompt_adapters(core):
         return core.forward_state(chunk_ids(g, step.span, layout), RecomputeContext(state, step.index, layout))
 
 

@@ -35,6 +35,7 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 
+from longstraw_mcore.adapters.lora import effective_weight
 from longstraw_mcore.config import GlmDsaConfig
 from longstraw_mcore.models.norms import RMSNorm
 from longstraw_mcore.ops.dsa import rope_interleaved
@@ -141,7 +142,7 @@ class MLADSAMixer(MegatronModule):
         q_pe = rope_interleaved(q_pe, pos, m.rope_theta)
         if not self.full and self.share.selection is None:
             raise RuntimeError(f"layer {self.layer_number} shares the top-k of a previous full layer, but none ran")
-        w = self.kv_b_proj.weight.view(self.h, Dn + Dv, R)
+        w = effective_weight(self.kv_b_proj).view(self.h, Dn + Dv, R)  # W (+ its adapter: adapters/lora.py)
         query = LatentQuery(q_nope, q_pe, w[:, :Dn], w[:, Dn:], pos, self.scale, m.index_topk, m.index_block,
                             index=self._index_queries(x, q_resid, pos) if self.full else None,
                             selection=None if self.full else self.share.selection)

@@ -1,0 +1,145 @@
+"""Put adapters on a built model: freeze the base, build this rank's LoRA shards for the sites the run
+targets (its pipeline stage's layers, its experts), hook them onto the base projections.
+
+The adapters sit in `model.adapters` (an `AdapterSet`, so DDP, the optimizer and checkpoints find
+them as the model's only trainable parameters), keyed by their Hugging Face module names. Canonical
+(whole, unsharded) adapter tensors come in from a PEFT directory (adapters/peft_io.py) or are drawn
+as PEFT draws a new adapter (A kaiming-uniform, B = 0), the same at every layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from longstraw_mcore.adapters.lora import LoRA, Slot, Switch, adapter_hook, init_a
+from longstraw_mcore.adapters.sites import Site
+from longstraw_mcore.config import AdapterConfig, ConfigError
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "__")
+
+
+class AdapterSet(torch.nn.Module):
+    """This rank's adapters (`lora[name]`), the sites they came from, and their shared on/off switch."""
+
+    def __init__(self, cfg: AdapterConfig, sites: dict[str, Site]):
+        super().__init__()
+        self.cfg, self.sites, self.switch = cfg, sites, Switch()
+        self.lora = torch.nn.ModuleDict()
+
+    def items(self):
+        return ((m.name, m) for m in self.lora.values())
+
+    @contextlib.contextmanager
+    def disabled(self):
+        """The base model alone inside the block (adapter.prompt=frozen's prompt positions)."""
+        was, self.switch.on = self.switch.on, False
+        try:
+            yield
+        finally:
+            self.switch.on = was
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def adapter_set(model) -> AdapterSet | None:
+    """The model's adapters (through a DDP wrapper too), or None for full-parameter training."""
+    inner = getattr(model, "module", model)
+    return getattr(inner, "adapters", None)
+
+
+def _local_path(path: str, first_layer: int, site: Site, experts_per_rank: int, ep_rank: int) -> str | None:
+    """A site part's module path (global layer and expert numbers) -> this rank's, or None if another
+    pipeline stage or EP rank holds it."""
+    parts = path.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(int(parts[2]) - first_layer)
+    if site.expert is not None:
+        j = site.expert - ep_rank * experts_per_rank
+        if not 0 <= j < experts_per_rank:
+            return None
+        parts[parts.index("local_experts") + 1] = str(j)
+    return ".".join(parts)
+
+
+def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    n = t.shape[dim] // size
+    return t.narrow(dim, rank * n, n)
+
+
+def attach(model, sites: list[Site], cfg: AdapterConfig, parallel, seed: int, canonical: dict | None = None,
+           padded_vocab: int | None = None) -> AdapterSet:
+    """Freeze `model`'s base and add the adapters of `cfg`'s targets that live on this rank. `canonical`:
+    {name: (A [r, in], B [out, r])} whole tensors (a PEFT directory's), or None for a new adapter."""
+    from longstraw_mcore.models.language_model import stage_range
+
+    targets = set(cfg.resolved_targets({s.target: s.shape for s in sites}))
+    chosen = [s for s in sites if s.target in targets]
+    if canonical is not None:
+        missing = [s.name for s in chosen if s.name not in canonical]
+        if missing:
+            raise ConfigError(f"adapter: the adapter has no tensors for {len(missing)} targeted modules, e.g. "
+                              f"{missing[:3]}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    layers = stage_range(parallel)
+    tp, tp_rank = parallel.tp, parallel.pgs.tp.rank()
+    ep, ep_rank = parallel.ep, (parallel.pgs.ep.rank() if parallel.ep > 1 else 0)
+    m = model.model_cfg
+    per_rank = getattr(m, "n_routed_experts", 0) // ep
+    dtype = next(model.parameters()).dtype
+    if parallel.tp_kv is not None and targets & {"k_proj", "v_proj"}:
+        raise ConfigError(f"adapter.targets {sorted(targets & {'k_proj', 'v_proj'})} with parallel.tp={tp} above "
+                          f"model.num_key_value_heads={m.num_key_value_heads} (KV groups): not supported yet; "
+                          "leave them out of adapter.targets or use parallel.tp <= the KV heads")
+    aset = AdapterSet(cfg, {s.name: s for s in chosen})
+    hooks: dict[str, list[tuple[int, Slot]]] = {}
+    modules = dict(model.named_modules())
+    for s in chosen:
+        if s.layer is None:
+            if not parallel.is_last_stage:
+                continue
+        elif s.layer not in layers:
+            continue
+        paths = [_local_path(p.module, layers.start, s, per_rank, ep_rank) for p in s.parts]
+        if any(p is None for p in paths):
+            continue
+        out, n_in = s.shape
+        if canonical is not None:
+            A, B = canonical[s.name]
+        else:
+            A, B = init_a(s.name, cfg.rank, n_in, seed), torch.zeros(out, cfg.rank, dtype=torch.float64)
+        if s.kind == "row" and tp > 1:
+            A = _shard(A, 1, tp_rank, tp)
+        parts = {}
+        for i, part in enumerate(s.parts):
+            b = B[part.rows[0]:part.rows[1]]
+            if s.name == "lm_head" and padded_vocab is not None and padded_vocab > b.shape[0]:
+                b = torch.cat([b, b.new_zeros(padded_vocab - b.shape[0], b.shape[1])])
+            if s.kind == "column" and tp > 1:
+                b = _shard(b, 0, tp_rank, tp)
+            parts[str(i)] = b.to(dtype).contiguous()
+        lora = LoRA(s.name, A.to(dtype).contiguous(), parts, cfg.scale, s.kind, aset.switch)
+        aset.lora[_key(s.name)] = lora
+        for i, (part, path) in enumerate(zip(s.parts, paths)):
+            if path not in modules:
+                raise RuntimeError(f"adapter site {s.name}: no module {path} in the model")
+            hooks.setdefault(path, []).append((part.slot, Slot(lora, str(i))))
+    for path, slots in hooks.items():
+        slots = [sl for _, sl in sorted(slots, key=lambda t: t[0])]
+        linear = modules[path]
+        linear.adapter_slots = slots
+        if _absorbed(path):
+            continue  # the mixer reads effective_weight(linear)
+        linear.register_forward_hook(adapter_hook(slots))
+    model.adapters = aset
+    return aset
+
+
+def _absorbed(path: str) -> bool:
+    """Projections whose weight a mixer uses directly instead of calling them (MLA's kv_b_proj)."""
+    return path.endswith("kv_b_proj")

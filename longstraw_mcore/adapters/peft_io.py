@@ -1,0 +1,161 @@
+"""Hugging Face PEFT adapter directories (`adapter_config.json` + `adapter_model.safetensors`), in and
+out, and the whole (canonical) adapter tensors gathered from the ranks that hold their shards.
+
+PEFT's names: `base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r], the
+module named as in the Hugging Face model (`model.layers.3.mlp.gate_proj`; GLM's routed experts as
+stored, `model.layers.3.mlp.experts.7.gate_proj`). Only plain LoRA is read: no DoRA, rsLoRA, bias,
+per-module rank or alpha patterns, fan_in_fan_out; each is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from longstraw_mcore.adapters.sites import Site
+from longstraw_mcore.config import AdapterConfig, ConfigError
+
+PREFIX = "base_model.model."
+_REFUSED = {"use_dora": False, "use_rslora": False, "bias": "none", "fan_in_fan_out": False}
+
+
+def read_peft(path: str | Path, sites: list[Site], base: AdapterConfig) -> tuple[AdapterConfig, dict]:
+    """A PEFT directory -> (the adapter section it describes, {module: (A, B)} in float64). `base`: the
+    run's section (its base_dtype and prompt are kept; rank, alpha and targets come from the directory).
+    Raises ConfigError naming what does not match the model, before any model work."""
+    from safetensors import safe_open
+
+    d = Path(path)
+    cfg_file, st = d / "adapter_config.json", d / "adapter_model.safetensors"
+    for f in (cfg_file, st):
+        if not f.is_file():
+            raise ConfigError(f"--adapter {d}: no {f.name} (a PEFT adapter directory holds adapter_config.json and "
+                              "adapter_model.safetensors)")
+    raw = json.loads(cfg_file.read_text())
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise ConfigError(f"{cfg_file}: peft_type={raw.get('peft_type')!r}; only LORA adapters are supported")
+    for k, ok in _REFUSED.items():
+        if raw.get(k, ok) not in (ok, None):
+            raise ConfigError(f"{cfg_file}: {k}={raw[k]!r} is not supported (only {k}={ok!r})")
+    for k in ("rank_pattern", "alpha_pattern"):
+        if raw.get(k):
+            raise ConfigError(f"{cfg_file}: {k}={raw[k]} (per-module rank/alpha) is not supported")
+    r, alpha = raw.get("r"), raw.get("lora_alpha")
+    by_name = {s.name: s for s in sites}
+    canonical: dict[str, list] = {}
+    with safe_open(str(st), framework="pt") as fh:
+        for key in fh.keys():
+            if not key.startswith(PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
+                raise ConfigError(f"{st}: tensor {key!r} is not a LoRA factor ({PREFIX}<module>.lora_A/B.weight)")
+            name, which = key[len(PREFIX):].rsplit(".", 2)[0], key.rsplit(".", 2)[1]
+            if name not in by_name:
+                raise ConfigError(f"{st}: {key!r}: the model has no projection {name!r} an adapter can target "
+                                  "(is this adapter for another base model?)")
+            canonical.setdefault(name, [None, None])[which == "lora_B"] = fh.get_tensor(key).to(torch.float64)
+    if not canonical:
+        raise ConfigError(f"{st}: holds no LoRA tensors")
+    for name, (A, B) in canonical.items():
+        out, n_in = by_name[name].shape
+        if A is None or B is None:
+            raise ConfigError(f"{st}: {name} has only one of lora_A / lora_B")
+        if tuple(A.shape) != (r, n_in) or tuple(B.shape) != (out, r):
+            raise ConfigError(f"{st}: {name}: lora_A {list(A.shape)}, lora_B {list(B.shape)}; the model's projection "
+                              f"is [out={out}, in={n_in}] and the adapter's r={r}: expected lora_A [{r}, {n_in}], "
+                              f"lora_B [{out}, {r}]")
+    targets = sorted({by_name[n].target for n in canonical})
+    partial = [n for n in by_name if by_name[n].target in targets and n not in canonical]
+    if partial:
+        raise ConfigError(f"{st}: targets {targets}, but {len(partial)} such modules have no tensors, e.g. "
+                          f"{partial[:3]} (adapters on some layers only are not supported)")
+    try:
+        cfg = AdapterConfig(rank=r, alpha=float(alpha), targets=targets, base_dtype=base.base_dtype, prompt=base.prompt)
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"{cfg_file}: {e}") from None
+    return cfg, {n: (A, B) for n, (A, B) in canonical.items()}
+
+
+def peft_config(cfg: AdapterConfig, targets: list[str], base_model: str | None) -> dict:
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
+            "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "modules_to_save": None,
+            "base_model_name_or_path": base_model, "inference_mode": True}
+
+
+def write_peft(path: str | Path, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], cfg: AdapterConfig,
+               targets: list[str], base_model: str | None = None) -> Path:
+    """Write a PEFT directory atomically (a temporary sibling renamed into place)."""
+    from safetensors.torch import save_file
+
+    dst = Path(path)
+    if dst.exists() and any(dst.iterdir()):
+        raise ConfigError(f"{dst}: exists and is not empty; refusing to overwrite")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp", dir=dst.parent))
+    try:
+        flat = {}
+        for name, (A, B) in tensors.items():
+            flat[f"{PREFIX}{name}.lora_A.weight"] = A.contiguous()
+            flat[f"{PREFIX}{name}.lora_B.weight"] = B.contiguous()
+        save_file(flat, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(peft_config(cfg, targets, base_model), indent=2))
+        if dst.exists():
+            dst.rmdir()
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def _whole(t: torch.Tensor, dim: int, tp_group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if tp_group is None or tp_group.size() == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(tp_group.size())]
+    dist.all_gather(parts, t.contiguous(), group=tp_group)
+    return torch.cat(parts, dim)
+
+
+def gather_canonical(aset, parallel, grads: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+    """Every adapter's whole A and B (or their gradients) on global rank 0 (None elsewhere). Collective
+    over the world: every rank calls it."""
+    import torch.distributed as dist
+
+    tp_group = parallel.pgs.tp
+    mine = {}
+    for name, lora in sorted(aset.items()):
+        site = aset.sites[name]
+
+        def val(p):
+            g = p.main_grad if grads and hasattr(p, "main_grad") else (p.grad if grads else p.detach())
+            return torch.zeros_like(p) if g is None else g.detach()
+
+        A = val(lora.A)
+        if site.kind == "row":
+            A = _whole(A, 1, tp_group)
+        out = site.shape[0]
+        B = torch.zeros(out, lora.rank, dtype=A.dtype)
+        for i, part in enumerate(site.parts):
+            b = val(lora.B[str(i)])
+            if site.kind == "column":
+                b = _whole(b, 0, tp_group)
+            B[part.rows[0]:part.rows[1]] = b[:part.rows[1] - part.rows[0]].cpu()  # lm_head: the padded rows go
+        owner = tp_group.rank() == 0 and parallel.pgs.dp_cp.rank() == 0 if site.kind != "expert" else \
+            tp_group.rank() == 0 and parallel.pgs.expt_dp.rank() == 0
+        if owner:
+            mine[name] = (A.cpu(), B)
+    every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, every, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    out: dict = {}
+    for d in every:
+        out.update(d)
+    order = [s for s in aset.sites if s in out]
+    return {n: out[n] for n in order}

@@ -1,0 +1,33 @@
+"""Where each Hugging Face module an adapter may target lives in the Megatron model: the family's
+checkpoint table lists its sites (checkpoint/<family>.py `adapter_sites`), adapters/attach.py builds
+them. Data only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Part:
+    """The rows [rows[0], rows[1]) of the HF module's output computed by one Megatron projection
+    (`module`: its path with global layer numbers, e.g. `decoder.layers.3.mlp.linear_fc1`), at position
+    `slot` among the adapters that projection holds (linear_fc1 = [gate; up]: gate 0, up 1)."""
+
+    module: str
+    rows: tuple[int, int]
+    slot: int = 0
+
+
+@dataclass(frozen=True)
+class Site:
+    """One HF module: `name` (e.g. `model.layers.3.mlp.gate_proj`), `target` (its last component, what
+    `adapter.targets` names), (out, in) `shape`, the Megatron `kind` of its projections (adapters/lora.py
+    KINDS), its `parts`, the global `layer` (None: lm_head) and, for a routed expert, its index."""
+
+    name: str
+    target: str
+    shape: tuple[int, int]
+    kind: str
+    parts: tuple[Part, ...]
+    layer: int | None
+    expert: int | None = None
