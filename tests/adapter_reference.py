@@ -13,7 +13,7 @@ import torch
 PREFIX = "base_model.model."
 
 
-def random_peft(hf, targets: list[str], r: int, alpha: float, seed: int):
+def random_peft(hf, targets: list[str] | str, r: int, alpha: float, seed: int):
     """`peft` LoRA on `targets` with A and B both random (B scaled to 0.1 of PEFT's non-zero init)."""
     from peft import LoraConfig, get_peft_model
 
@@ -52,14 +52,14 @@ def full_sequence(peft_model, group, loss_fn, lift):
     return logps
 
 
-def cache_path(peft_model, group, loss_fn, lift, frozen_prompt: bool = False):
-    """Detached mode's reference: the prompt cache under no_grad (adapter off with `frozen_prompt`),
-    each branch with autograd on a copy of it."""
+def cache_path(peft_model, group, loss_fn, lift, frozen_prompt: bool = False, also_off=contextlib.nullcontext):
+    """Detached mode's reference: the prompt cache under no_grad (adapter off with `frozen_prompt`, and
+    `also_off()` for adapters outside peft), each branch with autograd on a copy of it."""
     from test_detached_vs_hf_cache import _assigning_linear_cache
     from transformers import DynamicCache
 
     off = peft_model.disable_adapter() if frozen_prompt else contextlib.nullcontext()
-    with lift(), torch.no_grad(), off:
+    with lift(), torch.no_grad(), off, (also_off() if frozen_prompt else contextlib.nullcontext()):
         cache = DynamicCache(config=peft_model.config)
         peft_model(input_ids=torch.tensor([group.prompt[:-1]]), past_key_values=cache, use_cache=True)
     logps = []

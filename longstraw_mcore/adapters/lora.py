@@ -14,7 +14,9 @@ so every rank computes only its rows of the output (column) or its columns' shar
 gradients of A and B come out complete: the all-reduce in copy's backward sums the partial gradients
 of h that each rank's rows of B produce; reduce's forward sums the ranks' partial h. Replicated
 factors get identical gradients on every TP rank (like Megatron's replicated norms); split ones are
-marked `tensor_model_parallel` so gradient norms count them once.
+marked `tensor_model_parallel` so gradient norms count them once. Under sequence parallelism (GLM's
+MoE layer at tp > 1: models/glm_moe.py) a rank sees only its tokens, so the replicated factor's
+gradient is summed over TP as autograd produces it.
 
 A fused Megatron projection holds one adapter per Hugging Face module (`slots`): linear_fc1 = [gate;
 up] has the gate_proj and the up_proj adapters, each rank's output [gate rows; up rows] is matched by
@@ -77,12 +79,24 @@ class Slot:
     part: str
 
 
+def _sequence_parallel(linear) -> bool:
+    tp_group = linear.tp_group
+    return getattr(linear, "sequence_parallel", False) and tp_group is not None and tp_group.size() > 1
+
+
+def _replicated(p: torch.Tensor, linear) -> torch.Tensor:
+    """A factor replicated over TP as the projection uses it: under sequence parallelism each rank sees
+    only its tokens, so the factor's gradient is summed over TP (forward identity)."""
+    return mappings.copy_to_tensor_model_parallel_region(p, group=linear.tp_group) if _sequence_parallel(linear) else p
+
+
 def _h(x: torch.Tensor, lora: LoRA, linear) -> torch.Tensor:
     """h = A x with the layer's TP mapping, in the layout B consumes."""
     tp_group = linear.tp_group
     tp = tp_group.size() if tp_group is not None else 1
-    sp = getattr(linear, "sequence_parallel", False) and tp > 1
-    h = torch.nn.functional.linear(x, lora.A.to(x.dtype))
+    sp = _sequence_parallel(linear)
+    A = _replicated(lora.A, linear) if lora.kind == "column" else lora.A
+    h = torch.nn.functional.linear(x, A.to(x.dtype))
     if lora.kind == "column" and tp > 1:
         return mappings.gather_from_sequence_parallel_region(h, group=tp_group) if sp else \
             mappings.copy_to_tensor_model_parallel_region(h, group=tp_group)
@@ -90,6 +104,11 @@ def _h(x: torch.Tensor, lora: LoRA, linear) -> torch.Tensor:
         return mappings.reduce_scatter_to_sequence_parallel_region(h, group=tp_group) if sp else \
             mappings.reduce_from_tensor_model_parallel_region(h, group=tp_group)
     return h
+
+
+def _b(slot: Slot, linear) -> torch.Tensor:
+    b = slot.lora.B[slot.part]
+    return _replicated(b, linear) if slot.lora.kind == "row" else b
 
 
 def adapter_hook(slots: list[Slot]):
@@ -100,7 +119,7 @@ def adapter_hook(slots: list[Slot]):
             return output
         out, bias = output if isinstance(output, tuple) else (output, None)
         x = args[0]
-        deltas = [s.lora.scale * torch.nn.functional.linear(_h(x, s.lora, linear), s.lora.B[s.part].to(x.dtype))
+        deltas = [s.lora.scale * torch.nn.functional.linear(_h(x, s.lora, linear), _b(s, linear).to(x.dtype))
                   for s in slots]
         delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)
         if delta.shape != out.shape:

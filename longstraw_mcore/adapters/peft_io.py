@@ -146,8 +146,10 @@ def gather_canonical(aset, parallel, grads: bool = False) -> dict[str, tuple[tor
             if site.kind == "column":
                 b = _whole(b, 0, tp_group)
             B[part.rows[0]:part.rows[1]] = b[:part.rows[1] - part.rows[0]].cpu()  # lm_head: the padded rows go
-        owner = tp_group.rank() == 0 and parallel.pgs.dp_cp.rank() == 0 if site.kind != "expert" else \
-            tp_group.rank() == 0 and parallel.pgs.expt_dp.rank() == 0
+        # one holder of each whole tensor reports it: TP rank 0 of the first data x context parallel
+        # replica; an expert's, the first of its expert-data-parallel replicas (experts are not TP-split)
+        owner = parallel.pgs.expt_dp.rank() == 0 if site.kind == "expert" else \
+            tp_group.rank() == 0 and parallel.pgs.dp_cp.rank() == 0
         if owner:
             mine[name] = (A.cpu(), B)
     every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
