@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         r = sp.add_mutually_exclusive_group()
         r.add_argument("--ref-hf", default=None, help="reference model (HF dir) for the KL term / DPO margin")
         r.add_argument("--ref-load", default=None, help="reference model (Megatron checkpoint)")
+        sp.add_argument("--adapter", default=None, help="a PEFT LoRA adapter directory (adapter_config.json + "
+                        "adapter_model.safetensors) on the frozen base; only it trains")
         sp.add_argument("--force", action="store_true",
                         help="run even when `longstraw plan` says it does not fit a rank's memory")
         sp.add_argument("overrides", nargs="*", help="key=value config overrides")
@@ -80,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts", default=None,
                      help='JSON Lines {"prompt": [ids], "key": [ids]?}; with a key the reward is key recall\'s')
     src.add_argument("--task-prompts", type=int, default=None, help="draw this many prompts from the config's task")
+    ro.add_argument("--adapter", default=None, help="a PEFT LoRA adapter directory on the base model")
     ro.add_argument("--out", required=True, help="the rollouts file to write (JSON Lines, the format train reads)")
     ro.add_argument("overrides", nargs="*", help="key=value config overrides (rollout.temperature=0.7, ...)")
     ro.set_defaults(command="rollout")

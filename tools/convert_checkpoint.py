@@ -1,8 +1,15 @@
 #!/usr/bin/env python
-"""Convert between a Hugging Face Qwen3.5/3.6 directory and a Megatron distributed checkpoint.
+"""Convert between a Hugging Face directory (any supported family) and a Megatron distributed
+checkpoint; export a LoRA training checkpoint's adapter as a PEFT directory, or merged into the base.
 
-  python tools/convert_checkpoint.py hf-to-mcore SRC_HF_DIR DST_MCORE_DIR [--tp N --pp N]
+  python tools/convert_checkpoint.py hf-to-mcore SRC_HF_DIR DST_MCORE_DIR [--tp N --pp N --ep N]
   python tools/convert_checkpoint.py mcore-to-hf SRC_MCORE_DIR DST_HF_DIR
+  python tools/convert_checkpoint.py adapter-export STEP_DIR DST_PEFT_DIR [--base HF_DIR]
+  python tools/convert_checkpoint.py adapter-export STEP_DIR DST_HF_DIR --merge --base HF_DIR
+
+STEP_DIR: a `train --save` step directory of an adapter run (or any PEFT directory). Without --merge
+the export is what `peft` loads (`PeftModel.from_pretrained`); with it, a Hugging Face model whose
+projections hold W + (alpha / r) B A.
 
 The Megatron checkpoint is layout-free (it loads at any tp/pp); --tp/--pp check that the target
 layout divides the model before anything is written. HF -> Megatron -> HF is bit-exact.
@@ -27,6 +34,11 @@ def main(argv=None) -> int:
     b = sub.add_parser("mcore-to-hf")
     b.add_argument("src")
     b.add_argument("dst")
+    c = sub.add_parser("adapter-export")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--base", default=None, help="the base Hugging Face directory (needed with --merge)")
+    c.add_argument("--merge", action="store_true")
     args = p.parse_args(argv)
 
     from longstraw_mcore.checkpoint.common import CheckpointError
@@ -38,6 +50,8 @@ def main(argv=None) -> int:
             from longstraw_mcore.families import family_of_dir
 
             hf_to_mcore_dir(family_of_dir(args.src), args.src, args.dst, tp=args.tp, pp=args.pp, ep=args.ep)
+        elif args.cmd == "adapter-export":
+            _adapter_export(args)
         else:
             from longstraw_mcore.checkpoint.convert import mcore_to_hf_dir
             from longstraw_mcore.checkpoint.dist_ckpt import read_checkpoint_meta
@@ -48,6 +62,26 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _adapter_export(args) -> None:
+    from pathlib import Path
+
+    from longstraw_mcore.config import ConfigError
+
+    src = Path(args.src)
+    src = src / "adapter" if (src / "adapter" / "adapter_config.json").is_file() else src
+    if args.merge:
+        if args.base is None:
+            raise ConfigError("adapter-export --merge needs --base HF_DIR (the model the adapter was trained on)")
+        from longstraw_mcore.adapters.merge import merge_into_hf
+        from longstraw_mcore.families import family_of_dir
+
+        merge_into_hf(family_of_dir(args.base), args.base, src, args.dst)
+        return
+    from longstraw_mcore.adapters.peft_io import export_peft
+
+    export_peft(src, args.dst, args.base)
 
 
 if __name__ == "__main__":  # guarded: Megatron's checkpoint writer re-imports __main__

@@ -113,17 +113,8 @@ def attach(model, sites: list[Site], cfg: AdapterConfig, parallel, seed: int, ca
             A, B = canonical[s.name]
         else:
             A, B = init_a(s.name, cfg.rank, n_in, seed), torch.zeros(out, cfg.rank, dtype=torch.float64)
-        if s.kind == "row" and tp > 1:
-            A = _shard(A, 1, tp_rank, tp)
-        parts = {}
-        for i, part in enumerate(s.parts):
-            b = B[part.rows[0]:part.rows[1]]
-            if s.name == "lm_head" and padded_vocab is not None and padded_vocab > b.shape[0]:
-                b = torch.cat([b, b.new_zeros(padded_vocab - b.shape[0], b.shape[1])])
-            if s.kind == "column" and tp > 1:
-                b = _shard(b, 0, tp_rank, tp)
-            parts[str(i)] = b.to(dtype).contiguous()
-        lora = LoRA(s.name, A.to(dtype).contiguous(), parts, cfg.scale, s.kind, aset.switch)
+        A, parts = local_factors(s, A, B, tp_rank, tp, padded_vocab)
+        lora = LoRA(s.name, A.to(dtype), {k: v.to(dtype) for k, v in parts.items()}, cfg.scale, s.kind, aset.switch)
         aset.lora[_key(s.name)] = lora
         for i, (part, path) in enumerate(zip(s.parts, paths)):
             if path not in modules:
@@ -136,8 +127,40 @@ def attach(model, sites: list[Site], cfg: AdapterConfig, parallel, seed: int, ca
         if _absorbed(path):
             continue  # the mixer reads effective_weight(linear)
         linear.register_forward_hook(adapter_hook(slots))
+    aset.parallel, aset.padded_vocab = parallel, padded_vocab
     model.adapters = aset
     return aset
+
+
+def local_factors(s: Site, A: torch.Tensor, B: torch.Tensor, tp_rank: int, tp: int, padded_vocab: int | None):
+    """This TP rank's shard of a whole adapter: (A, {part: its rows of B}) (adapters/lora.py's table)."""
+    if s.kind == "row" and tp > 1:
+        A = _shard(A, 1, tp_rank, tp)
+    parts = {}
+    for i, part in enumerate(s.parts):
+        b = B[part.rows[0]:part.rows[1]]
+        if s.name == "lm_head" and padded_vocab is not None and padded_vocab > b.shape[0]:
+            b = torch.cat([b, b.new_zeros(padded_vocab - b.shape[0], b.shape[1])])
+        if s.kind == "column" and tp > 1:
+            b = _shard(b, 0, tp_rank, tp)
+        parts[str(i)] = b.contiguous()
+    return A.contiguous(), parts
+
+
+@torch.no_grad()
+def load_canonical(aset: AdapterSet, canonical: dict) -> None:
+    """Overwrite this rank's adapter shards with whole tensors ({name: (A, B)}, e.g. a checkpoint's)."""
+    par = aset.parallel
+    missing = [n for n, _ in aset.items() if n not in canonical]
+    if missing:
+        raise ConfigError(f"adapter: no tensors for {missing[:3]} ({len(missing)} modules)")
+    for name, lora in aset.items():
+        A, parts = local_factors(aset.sites[name], *canonical[name], par.pgs.tp.rank(), par.tp, aset.padded_vocab)
+        if A.shape != lora.A.shape:
+            raise ConfigError(f"adapter {name}: lora_A {list(A.shape)} does not match this run's {list(lora.A.shape)}")
+        lora.A.copy_(A)
+        for k, b in parts.items():
+            lora.B[k].copy_(b)
 
 
 def _absorbed(path: str) -> bool:

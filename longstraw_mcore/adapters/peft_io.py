@@ -161,3 +161,42 @@ def gather_canonical(aset, parallel, grads: bool = False) -> dict[str, tuple[tor
         out.update(d)
     order = [s for s in aset.sites if s in out]
     return {n: out[n] for n in order}
+
+
+def dump_grads(aset, path: str | Path, log=print) -> None:
+    """The adapters' gradients (complete: after the step's reduction) as one safetensors file under PEFT's
+    tensor names, written atomically by rank 0. Collective."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    grads = gather_canonical(aset, aset.parallel, grads=True)
+    if dist.get_rank() != 0:
+        return
+    flat = {}
+    for name, (A, B) in grads.items():
+        flat[f"{PREFIX}{name}.lora_A.weight"] = A.contiguous()
+        flat[f"{PREFIX}{name}.lora_B.weight"] = B.contiguous()
+    dst = Path(path)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    save_file(flat, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, dst)
+    log(f"[validate] wrote the gradients of {len(grads)} adapters ({sum(t.numel() for t in flat.values()):,} values) "
+        f"to {dst} under PEFT's names")
+
+
+def export_peft(src: str | Path, dst: str | Path, base_model: str | None = None, log=print) -> Path:
+    """A standalone copy of a PEFT directory (a checkpoint's `adapter/`), naming `base_model` as its base."""
+    from safetensors.torch import load_file
+
+    s = Path(src)
+    raw = json.loads((s / "adapter_config.json").read_text())
+    tensors = load_file(str(s / "adapter_model.safetensors"))
+    pairs = {}
+    for key, t in tensors.items():
+        name, which = key[len(PREFIX):].rsplit(".", 2)[0], key.rsplit(".", 2)[1]
+        pairs.setdefault(name, [None, None])[which == "lora_B"] = t
+    cfg = AdapterConfig(rank=raw["r"], alpha=float(raw["lora_alpha"]), targets=list(raw["target_modules"]))
+    out = write_peft(dst, {k: tuple(v) for k, v in pairs.items()}, cfg, list(raw["target_modules"]),
+                     base_model or raw.get("base_model_name_or_path"))
+    log(f"[export] {out}: {len(pairs)} adapters (r={cfg.rank}, alpha={cfg.alpha:g})")
+    return out

@@ -45,8 +45,28 @@ def load_run_config(args):
     return load_config(args.config, args.overrides, base=base)
 
 
-def build_and_load(cfg, par, hf, load, log_prefix):
-    """This rank's model (its family's spec), with weights from an HF directory or a Megatron checkpoint."""
+def resolve_adapter(args, cfg):
+    """The run's adapter before any model work: `--adapter DIR` (a PEFT directory, checked against the
+    model: its r, alpha and targets become the run's `adapter` section) or a new one at adapter.rank > 0.
+    Returns (cfg, whole adapter tensors or None)."""
+    import dataclasses
+
+    path = getattr(args, "adapter", None)
+    if path is None:
+        return cfg, None
+    from longstraw_mcore.adapters.peft_io import read_peft
+    from longstraw_mcore.families import get_family
+
+    sites = get_family(cfg.model.family).checkpoint.adapter_sites(cfg.model)
+    adapter, canonical = read_peft(path, sites, cfg.adapter)
+    adapter.check_against(cfg.model.projection_shapes(), cfg.model.family)
+    return dataclasses.replace(cfg, adapter=adapter), canonical
+
+
+def build_and_load(cfg, par, hf, load, log_prefix, adapter=None):
+    """This rank's model (its family's spec), with weights from an HF directory or a Megatron checkpoint;
+    with cfg.adapter.rank > 0 the base frozen and LoRA adapters on it (`adapter`: their whole tensors
+    from resolve_adapter, or None for a new adapter)."""
     from longstraw_mcore.families import get_family
     from longstraw_mcore.ops.dispatch import configure
 
@@ -64,6 +84,17 @@ def build_and_load(cfg, par, hf, load, log_prefix):
 
         load_checkpoint(model, load)
         rank0_print(f"[{log_prefix}] loaded Megatron checkpoint {load}")
+    if cfg.adapter.enabled:
+        from longstraw_mcore.adapters.attach import attach
+
+        base = sum(p.numel() for p in model.parameters())
+        aset = attach(model, family.checkpoint.adapter_sites(cfg.model), cfg.adapter, par, cfg.seed, adapter,
+                      model.padded_vocab_size if par.is_last_stage else None)
+        a = cfg.adapter
+        rank0_print(f"[{log_prefix}] LoRA r={a.rank} alpha={a.alpha:g} on {', '.join(a.resolved_targets(cfg.model.projection_shapes()))} "
+                    f"({'read from the adapter directory' if adapter is not None else 'new: B = 0'}); "
+                    f"rank 0 holds {aset.num_params():,} adapter parameters beside {base:,} frozen; "
+                    f"adapter.prompt={a.prompt}")
     return model
 
 
@@ -71,8 +102,25 @@ def reference_model(args, cfg, par):
     """The frozen reference policy of `--ref-hf / --ref-load`, or None."""
     if not (args.ref_hf or args.ref_load):
         return None
-    ref = build_and_load(cfg, par, args.ref_hf, args.ref_load, "ref")
+    import dataclasses
+
+    from longstraw_mcore.config import AdapterConfig
+
+    # the reference policy is the base model itself (no adapter)
+    ref = build_and_load(dataclasses.replace(cfg, adapter=AdapterConfig()), par, args.ref_hf, args.ref_load, "ref")
     ref.eval()
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
+
+
+def trained_description(cfg) -> str:
+    """What the gradient is of, in words (validate's receipt and train's log say it)."""
+    a = cfg.adapter
+    if not a.enabled:
+        return f"every parameter; {cfg.replay.mode} mode"
+    where = ("at every position (prompt and response)" if a.prompt == "adapted" else
+             "at response positions only (adapter.prompt=frozen: the prompt state holds no trainable weight, "
+             "so the gradient is exact in either mode)")
+    return (f"LoRA r={a.rank} alpha={a.alpha:g} on {a.resolved_targets(cfg.model.projection_shapes())}, "
+            f"base frozen ({a.base_dtype}), adapters acting {where}; {cfg.replay.mode} mode")

@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import os
 
-from longstraw_mcore.commands.common import build_and_load, launch_world_size, load_run_config, rank0_print
+from longstraw_mcore.commands.common import (build_and_load, launch_world_size, load_run_config, rank0_print,
+                                             resolve_adapter)
 from longstraw_mcore.commands.preflight import check_run
 from longstraw_mcore.config import ConfigError
 
@@ -43,7 +44,7 @@ def _read_prompts(path: str, cfg) -> list[tuple[list[int], list[int] | None]]:
 
 
 def run(args) -> int:
-    cfg = load_run_config(args)
+    cfg, adapter = resolve_adapter(args, load_run_config(args))
     check_run(cfg, "rollout", launch_world_size())
     if args.task_prompts is not None:
         if args.task_prompts < 1:
@@ -63,7 +64,7 @@ def run(args) -> int:
     from longstraw_mcore.tasks.key_recall import reward
 
     par = setup_parallel(cfg)
-    model = build_and_load(cfg, par, args.hf, args.load, "rollout")
+    model = build_and_load(cfg, par, args.hf, args.load, "rollout", adapter)
     model.eval()
     dp, me = par.dp, par.pgs.dp.rank()
     rank0_print(f"[rollout] {len(prompts)} prompts x G={cfg.rollout.group_size}, temperature {cfg.rollout.temperature}, "

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from longstraw_mcore.commands.common import (build_and_load, launch_world_size, load_run_config, rank0_print,
-                                             reference_model)
+                                             reference_model, resolve_adapter, trained_description)
 from longstraw_mcore.commands.preflight import check_fits, check_groups, check_run, check_save_dir
 
 
@@ -30,7 +30,7 @@ def _online_shape(cfg):
 def run(args) -> int:
     from longstraw_mcore.data.rollouts import load_rollouts
 
-    cfg = load_run_config(args)
+    cfg, adapter = resolve_adapter(args, load_run_config(args))
     check_run(cfg, "train", launch_world_size())
     online = getattr(args, "online", False)
     if online:
@@ -50,7 +50,7 @@ def run(args) -> int:
     par = setup_parallel(cfg)
     from longstraw_mcore.train.trainer import Trainer, build_training
 
-    model = build_and_load(cfg, par, args.hf, args.load, "train")
+    model = build_and_load(cfg, par, args.hf, args.load, "train", adapter)
     ddp, opt = build_training(model, cfg, par)
     source = None
     if online:
@@ -75,7 +75,7 @@ def run(args) -> int:
     rank0_print(f"[train] {what}, {cfg.train.groups_per_step} per step per data-parallel rank, "
                 f"mode {cfg.replay.mode}, objective {cfg.grpo.objective}, layout tp={par.tp} pp={par.pp} cp={par.cp} "
                 f"dp={par.dp}, "
-                f"steps {trainer.step + 1}..{args.steps}")
+                f"steps {trainer.step + 1}..{args.steps}; trains {trained_description(cfg)}")
     if args.metrics_out and par.rank == 0:
         Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
     every = cfg.train.save_every

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from longstraw_mcore.commands.common import (build_and_load, launch_world_size, load_run_config, rank0_print,
-                                             reference_model)
+                                             reference_model, resolve_adapter, trained_description)
 from longstraw_mcore.commands.preflight import check_fits, check_groups, check_run
 from longstraw_mcore.families import get_family
 
@@ -22,7 +22,7 @@ def run(args) -> int:
 
     if args.mode:
         args.overrides = list(args.overrides) + [f"replay.mode={args.mode}"]
-    cfg = load_run_config(args)
+    cfg, adapter = resolve_adapter(args, load_run_config(args))
     check_run(cfg, "validate", launch_world_size())
     groups = load_rollouts(args.rollouts, cfg.model.vocab_size)
     check_groups(cfg, groups, has_ref_model=bool(args.ref_hf or args.ref_load))
@@ -48,7 +48,7 @@ def run(args) -> int:
 
     from longstraw_mcore.commands.layer_probe import LayerProbe, merge_reports
 
-    model = build_and_load(cfg, par, args.hf, args.load, "validate")
+    model = build_and_load(cfg, par, args.hf, args.load, "validate", adapter)
     rank0_print(f"[validate] {cfg.model.family}: {cfg.model.describe()}; layout {par.layout()}")
     probe = LayerProbe(model, cfg.model, par.ep)
     ddp = wrap_ddp(model, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, distributed_optimizer=False)),
@@ -74,7 +74,12 @@ def run(args) -> int:
                                       peak_since_reset(par.device) - baseline))
     if par.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    if args.dump_grads:
+    if args.dump_grads and cfg.adapter.enabled:  # the adapters' gradients under PEFT's names
+        from longstraw_mcore.adapters.attach import adapter_set
+        from longstraw_mcore.adapters.peft_io import dump_grads
+
+        dump_grads(adapter_set(ddp), out / "grads.safetensors", log=rank0_print)
+    elif args.dump_grads:
         from longstraw_mcore.checkpoint.convert import dump_hf_tensors
 
         dump_hf_tensors(get_family(cfg.model.family), ddp.module, cfg.model, out / "grads.safetensors", grads=True,
@@ -90,6 +95,7 @@ def run(args) -> int:
             "logprobs": [merged[i]["logprobs"] for i in range(n)],
             "skipped_groups": [i for i in range(n) if merged[i]["skipped"]],
             "grad_norm": gn, "mode": cfg.replay.mode, "objective": cfg.grpo.objective,
+            "trained": trained_description(cfg),
             "layout": par.layout(), "peak_bytes_per_rank": [g[2] for g in gathered],
             "state_bytes_per_group": [merged[i]["state_bytes"] for i in range(n)],
             "ref_state_bytes_per_group": [merged[i]["ref_state_bytes"] for i in range(n)],

@@ -3,7 +3,8 @@
 Layout under `--save ROOT`:
 
     step_000010/              a complete checkpoint: the model as a Megatron distributed checkpoint
-                              (layout-free), optimizer_rank*.pt (the torch optimizers' states, one per
+                              (layout-free; with adapters, only they, as a PEFT directory `adapter/`:
+                              the frozen base is the run's --hf), optimizer_rank*.pt (the torch optimizers' states, one per
                               rank: bit-exact resume at the same layout), longstraw_model.json
                               (model config, layout, step), metrics.json, manifest.json (size of
                               every other file)
@@ -40,6 +41,41 @@ from longstraw_mcore.checkpoint.common import CheckpointError
 from longstraw_mcore.train.checkpoint_dirs import POINTS  # noqa: F401 - re-exported (the publication points)
 from longstraw_mcore.train.checkpoint_dirs import clean_unpublished, published_steps, step_dir, verify, write_manifest
 
+ADAPTER_DIR = "adapter"
+
+def _write_model(model, tmp: Path) -> None:
+    """The trainable weights: the model's shards, or with adapters the whole adapters (rank 0 writes)."""
+    from longstraw_mcore.adapters.attach import adapter_set
+
+    aset = adapter_set(model)
+    if aset is None:
+        write_model_shards(model, tmp)
+        return
+    from longstraw_mcore.adapters.peft_io import gather_canonical, write_peft
+
+    tensors = gather_canonical(aset, aset.parallel)
+    if dist.get_rank() == 0:
+        write_peft(tmp / ADAPTER_DIR, tensors, aset.cfg, sorted({s.target for s in aset.sites.values()}))
+
+
+def _load_model(model, path: Path) -> None:
+    from longstraw_mcore.adapters.attach import adapter_set, load_canonical
+
+    aset = adapter_set(model)
+    if aset is None:
+        load_checkpoint(model, path)
+        return
+    from longstraw_mcore.adapters.peft_io import read_peft
+
+    if not (path / ADAPTER_DIR).is_dir():
+        raise CheckpointError(f"{path}: no {ADAPTER_DIR}/ (a full-parameter checkpoint; this run trains adapters)")
+    cfg, canonical = read_peft(path / ADAPTER_DIR, list(aset.sites.values()), aset.cfg)
+    if (cfg.rank, cfg.alpha) != (aset.cfg.rank, aset.cfg.alpha):
+        raise CheckpointError(f"{path / ADAPTER_DIR}: r={cfg.rank}, alpha={cfg.alpha}; this run's adapter is "
+                              f"r={aset.cfg.rank}, alpha={aset.cfg.alpha}")
+    load_canonical(aset, canonical)
+
+
 def save_step(root: str | Path, step: int, model, torch_optimizers: list, model_cfg, layout: dict, history: list,
               extra: dict, fault: Callable[[str], None] | None = None, rank_extra: dict | None = None) -> Path:
     """Write and publish step `step` from every rank (collective)."""
@@ -52,7 +88,7 @@ def save_step(root: str | Path, step: int, model, torch_optimizers: list, model_
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    write_model_shards(model, tmp)
+    _write_model(model, tmp)
     fault("model")
     opt_file = tmp / f"optimizer_rank{rank:05d}.pt"
     torch.save({"torch_optimizers": [o.state_dict() for o in torch_optimizers], "layout": layout, "rank": rank,
@@ -103,7 +139,7 @@ def load_step(path: Path, model, torch_optimizers: list, reload_main_params: Cal
 
     _, meta = read_checkpoint_meta(path)
     try:
-        load_checkpoint(model, path)
+        _load_model(model, path)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001

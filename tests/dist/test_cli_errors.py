@@ -41,6 +41,20 @@ def _hf_config(d, **changes):
     return str(d)
 
 
+def _peft_dir(d, hidden):
+    """A PEFT-format adapter (r=4) whose in_proj_z expects another hidden size."""
+    import torch
+    from safetensors.torch import save_file
+
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                      "target_modules": ["in_proj_z"]}))
+    save_file({"base_model.model.model.layers.0.linear_attn.in_proj_z.lora_A.weight": torch.zeros(4, hidden),
+               "base_model.model.model.layers.0.linear_attn.in_proj_z.lora_B.weight": torch.zeros(64, 4)},
+              str(d / "adapter_model.safetensors"))
+    return str(d)
+
+
 G2 = {"prompt": [1, 2, 3], "responses": [[4, 5], [6]], "rewards": [0.0, 1.0]}
 
 
@@ -105,6 +119,18 @@ def _cases(tmp):
          "model.linear_num_key_heads=2 is not divisible by parallel.tp*parallel.cp=1*4"),
         ("CP the world size does not fit", ["check", "--config", TINY, "--world-size", "3", "parallel.cp=2"],
          "world size 3 is not divisible by tp*pp*cp = 1*1*2 = 2"),
+        ("adapter target the model lacks", train + ["--rollouts", ok, "adapter.rank=4", "adapter.targets=[q_proj,wq]"],
+         "adapter.targets: ['wq'] are not projections of the qwen3_5 family"),
+        ("adapter rank beyond a target", train + ["--rollouts", ok, "adapter.rank=5", "adapter.targets=[in_proj_b]"],
+         "adapter.rank=5: exceeds the smaller dimension 4 of in_proj_b [4, 64]"),
+        ("adapter alpha", train + ["--rollouts", ok, "adapter.rank=4", "adapter.alpha=0"],
+         "adapter.alpha=0.0: must be > 0"),
+        ("reuse without a frozen prompt", train + ["--rollouts", ok, "adapter.rank=4", "replay.reuse_steps=4"],
+         "replay.reuse_steps=4: one capture serves several optimizer steps only when"),
+        ("adapter of another model", train + ["--rollouts", ok, "--adapter", _peft_dir(tmp / "wrong_peft", 7)],
+         "model.layers.0.linear_attn.in_proj_z: lora_A [4, 7]"),
+        ("not an adapter directory", train + ["--rollouts", ok, "--adapter", str(tmp)],
+         "adapter_config.json"),
     ]
 
 
