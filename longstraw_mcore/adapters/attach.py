@@ -28,6 +28,7 @@ class AdapterSet(torch.nn.Module):
     def __init__(self, cfg: AdapterConfig, sites: dict[str, Site]):
         super().__init__()
         self.cfg, self.sites, self.switch = cfg, sites, Switch()
+        self.base_bytes = None  # the quantized base's bytes on this rank (adapter.base_dtype nf4 / fp8)
         self.lora = torch.nn.ModuleDict()
 
     def items(self):
@@ -97,8 +98,11 @@ def attach(model, sites: list[Site], cfg: AdapterConfig, parallel, seed: int, ca
                           f"model.num_key_value_heads={m.num_key_value_heads} (KV groups): not supported yet; "
                           "leave them out of adapter.targets or use parallel.tp <= the KV heads")
     aset = AdapterSet(cfg, {s.name: s for s in chosen})
-    hooks: dict[str, list[tuple[int, Slot]]] = {}
     modules = dict(model.named_modules())
+    if cfg.base_dtype != "bfloat16":
+        aset.base_bytes = _quantize_base(model, modules, sites, cfg.base_dtype, layers, per_rank, ep_rank, parallel)
+    hooks: dict[str, list[Slot]] = {}
+    pieces: dict[str, int] = {}
     for s in chosen:
         if s.layer is None:
             if not parallel.is_last_stage:
@@ -119,14 +123,15 @@ def attach(model, sites: list[Site], cfg: AdapterConfig, parallel, seed: int, ca
         for i, (part, path) in enumerate(zip(s.parts, paths)):
             if path not in modules:
                 raise RuntimeError(f"adapter site {s.name}: no module {path} in the model")
-            hooks.setdefault(path, []).append((part.slot, Slot(lora, str(i))))
+            hooks.setdefault(path, []).append(Slot(lora, str(i), part.slot))
+            pieces[path] = len(part.fused) if part.fused else 1
     for path, slots in hooks.items():
-        slots = [sl for _, sl in sorted(slots, key=lambda t: t[0])]
+        slots = sorted(slots, key=lambda sl: sl.index)
         linear = modules[path]
         linear.adapter_slots = slots
         if _absorbed(path):
             continue  # the mixer reads effective_weight(linear)
-        linear.register_forward_hook(adapter_hook(slots))
+        linear.register_forward_hook(adapter_hook(slots, pieces[path]))
     aset.parallel, aset.padded_vocab = parallel, padded_vocab
     model.adapters = aset
     return aset
@@ -161,6 +166,24 @@ def load_canonical(aset: AdapterSet, canonical: dict) -> None:
         lora.A.copy_(A)
         for k, b in parts.items():
             lora.B[k].copy_(b)
+
+
+def _quantize_base(model, modules, sites, kind, layers, per_rank, ep_rank, parallel) -> int:
+    """QLoRA: every projection of this rank's layers stored quantized (adapters/quant.py), the output
+    layer and the embedding kept; returns the quantized bytes."""
+    from longstraw_mcore.adapters.quant import quantize
+
+    total, done = 0, set()
+    for s in sites:
+        if s.layer is None or s.layer not in layers:
+            continue
+        for part in s.parts:
+            path = _local_path(part.module, layers.start, s, per_rank, ep_rank)
+            if path is None or path in done or not hasattr(modules.get(path), "_forward_impl"):
+                continue  # another rank's expert; a KV-group projection (parallel/kv_group.py) stays dense
+            done.add(path)
+            total += quantize(modules[path], kind, path)
+    return total
 
 
 def _absorbed(path: str) -> bool:

@@ -77,6 +77,7 @@ class LoRA(torch.nn.Module):
 class Slot:
     lora: LoRA
     part: str
+    index: int = 0
 
 
 def _sequence_parallel(linear) -> bool:
@@ -111,17 +112,22 @@ def _b(slot: Slot, linear) -> torch.Tensor:
     return _replicated(b, linear) if slot.lora.kind == "row" else b
 
 
-def adapter_hook(slots: list[Slot]):
-    """Forward hook for a Megatron projection holding `slots` (in the order of its output rows)."""
+def adapter_hook(slots: list[Slot], pieces: int = 1):
+    """Forward hook for a Megatron projection holding `slots`; its output is `pieces` equal blocks of
+    rows (fused linear_fc1: [gate; up]), a slot's term goes to its block (zeros where no adapter)."""
 
     def hook(linear, args, output):
         if not slots[0].lora.switch.on:
             return output
         out, bias = output if isinstance(output, tuple) else (output, None)
         x = args[0]
-        deltas = [s.lora.scale * torch.nn.functional.linear(_h(x, s.lora, linear), _b(s, linear).to(x.dtype))
-                  for s in slots]
-        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)
+        by = {s.index: s.lora.scale * torch.nn.functional.linear(_h(x, s.lora, linear), _b(s, linear).to(x.dtype))
+              for s in slots}
+        if pieces == 1:
+            delta = by[0]
+        else:
+            n = out.shape[-1] // pieces
+            delta = torch.cat([by[i] if i in by else out.new_zeros(*out.shape[:-1], n) for i in range(pieces)], -1)
         if delta.shape != out.shape:
             raise RuntimeError(f"adapter {[s.lora.name for s in slots]}: output {tuple(delta.shape)} does not match "
                                f"the projection's {tuple(out.shape)}")
@@ -134,8 +140,10 @@ def adapter_hook(slots: list[Slot]):
 def effective_weight(linear) -> torch.Tensor:
     """The weight a mixer uses directly (W, or W + s B A with this rank's rows of B: MLA's absorbed
     kv_b_proj). A is replicated over TP and each rank's rows see it: its gradient is summed over TP."""
+    from longstraw_mcore.adapters.quant import dense_weight
+
     slots = getattr(linear, "adapter_slots", None)
-    w = linear.weight
+    w = dense_weight(linear)
     if not slots or not slots[0].lora.switch.on:
         return w
     (s,) = slots

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 class Part:
     """The rows [rows[0], rows[1]) of the HF module's output computed by one Megatron projection
     (`module`: its path with global layer numbers, e.g. `decoder.layers.3.mlp.linear_fc1`), at position
-    `slot` among the adapters that projection holds (linear_fc1 = [gate; up]: gate 0, up 1)."""
+    `slot` among the pieces of that projection's output (linear_fc1 = [gate; up]: gate 0, up 1; `fused`:
+    the whole output rows of each piece, (F, F); None: one piece)."""
 
     module: str
     rows: tuple[int, int]
     slot: int = 0
+    fused: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

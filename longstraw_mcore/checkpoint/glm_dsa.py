@@ -93,8 +93,8 @@ def adapter_sites(m) -> list[Site]:
             out.append(Site(h + "self_attn." + x, x, shapes[x], kind, (Part(g + "self_attention." + x, (0, shapes[x][0])),), i))
 
         def mlp(hf, mc, inner, kind, expert=None):
-            return [Site(hf + "gate_proj", "gate_proj", (inner, H), kind, (Part(mc + "linear_fc1", (0, inner), 0),), i, expert),
-                    Site(hf + "up_proj", "up_proj", (inner, H), kind, (Part(mc + "linear_fc1", (0, inner), 1),), i, expert),
+            return [Site(hf + "gate_proj", "gate_proj", (inner, H), kind, (Part(mc + "linear_fc1", (0, inner), 0, (inner, inner)),), i, expert),
+                    Site(hf + "up_proj", "up_proj", (inner, H), kind, (Part(mc + "linear_fc1", (0, inner), 1, (inner, inner)),), i, expert),
                     Site(hf + "down_proj", "down_proj", (H, inner), "row" if kind == "column" else kind,
                          (Part(mc + "linear_fc2", (0, H)),), i, expert)]
 

@@ -124,8 +124,8 @@ def adapter_sites(m: Qwen35Config) -> list[Site]:
                 out.append(site(a + x, x, "column", [Part(s + x, (0, shapes[x][0]))], i))
             out.append(site(a + "out_proj", "out_proj", "row", [Part(s + "out_proj", (0, shapes["out_proj"][0]))], i))
         F = m.intermediate_size
-        out += [site(h + "mlp.gate_proj", "gate_proj", "column", [Part(g + "mlp.linear_fc1", (0, F), 0)], i),
-                site(h + "mlp.up_proj", "up_proj", "column", [Part(g + "mlp.linear_fc1", (0, F), 1)], i),
+        out += [site(h + "mlp.gate_proj", "gate_proj", "column", [Part(g + "mlp.linear_fc1", (0, F), 0, (F, F))], i),
+                site(h + "mlp.up_proj", "up_proj", "column", [Part(g + "mlp.linear_fc1", (0, F), 1, (F, F))], i),
                 site(h + "mlp.down_proj", "down_proj", "row", [Part(g + "mlp.linear_fc2", (0, m.hidden_size))], i)]
     out.append(site("lm_head", "lm_head", "column", [Part("output_layer", (0, m.vocab_size))], None))
     return out

@@ -215,7 +215,12 @@ def prompt_backward_step(core, state: PromptState, step: Step, g: GroupInputs, l
     """One chunk of exact mode's reverse sweep (pp = 1): its recompute and one backward seeded with the
     state gradient accumulated so far."""
     recompute_chunk(core, state, step, g, layout)
-    torch.autograd.backward(state.outputs(step.index), chunk_seeds(state, step.index, layout))
+    # a state that no trainable weight reaches (adapters on some projections only: the first layer's
+    # K/V from an unadapted projection of the frozen embedding) has no backward
+    pairs = [(o, sd) for o, sd in zip(state.outputs(step.index), chunk_seeds(state, step.index, layout))
+             if o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [sd for _, sd in pairs])
     state.finish_chunk(step.index)
 
 
