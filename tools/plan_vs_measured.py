@@ -44,6 +44,14 @@ CPU_POINTS = [
     ("qwen tiny f32 exact CP=2", "configs/qwen3.6-tiny.yaml", ["replay.mode=exact"], 300, 96, 2, ["parallel.cp=2"]),
     ("glm tiny f32 exact (4 layers)", "configs/glm-5.2-tiny.yaml",
      ["model.num_layers=4", "replay.mode=exact"], 200, 64, 2, []),
+    ("qwen tiny f32 LoRA r4 detached", "configs/qwen3.6-tiny.yaml", ["adapter.rank=4", "replay.mode=detached"],
+     300, 96, 4, []),
+    ("qwen tiny f32 LoRA r4 exact, chunk 96", "configs/qwen3.6-tiny.yaml",
+     ["adapter.rank=4", "replay.mode=exact", "replay.chunk_len=96"], 300, 96, 4, []),
+    ("qwen tiny f32 QLoRA nf4 r4 detached", "configs/qwen3.6-tiny.yaml",
+     ["adapter.rank=4", "adapter.base_dtype=nf4", "replay.mode=detached"], 300, 96, 4, []),
+    ("qwen tiny f32 QLoRA nf4 r4 exact TP=2", "configs/qwen3.6-tiny.yaml",
+     ["adapter.rank=4", "adapter.base_dtype=nf4", "replay.mode=exact"], 300, 96, 2, ["parallel.tp=2"]),
 ]
 
 
@@ -63,7 +71,13 @@ def _cpu_worker(rank, world_size, points):
         cfg = load_config(os.path.join(ROOT, config), [*overrides, *layout, "device=cpu"])
         par = setup_parallel(cfg)
         m = cfg.model
-        model = get_family(m.family).build_model(m, par, "cpu")
+        family = get_family(m.family)
+        model = family.build_model(m, par, "cpu")
+        if cfg.adapter.enabled:  # a new adapter (B = 0) on the frozen base, as `train` starts one
+            from longstraw_mcore.adapters.attach import attach
+
+            attach(model, family.checkpoint.adapter_sites(m), cfg.adapter, par, cfg.seed,
+                   padded_vocab=model.padded_vocab_size if par.is_last_stage else None)
         g = torch.Generator().manual_seed(7)
         prompt = torch.randint(0, m.vocab_size, (P,), generator=g).tolist()
         responses = [torch.randint(0, m.vocab_size, (R - (b % 3),), generator=g).tolist() for b in range(G)]

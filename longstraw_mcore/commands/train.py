@@ -33,6 +33,11 @@ def run(args) -> int:
     cfg, adapter = resolve_adapter(args, load_run_config(args))
     check_run(cfg, "train", launch_world_size())
     online = getattr(args, "online", False)
+    if cfg.replay.reuse_steps > 1 and not online:
+        from longstraw_mcore.config import ConfigError
+
+        raise ConfigError(f"replay.reuse_steps={cfg.replay.reuse_steps}: reusing a capture samples new branches "
+                          "each step, which needs `train --online`")
     if online:
         groups = [_online_shape(cfg)]
     else:

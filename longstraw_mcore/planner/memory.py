@@ -15,6 +15,9 @@ cp / ep / dp the layout, e the model dtype's bytes. Per rank (the largest pipeli
                      reduce-scattered
     optimizer        Adam's two moments in float32, and a float32 master copy below float32 models;
                      sharded over dp x cp with the distributed optimizer or micro_step
+    (adapters)       with adapter.rank > 0 the three above count the adapter parameters only
+                     (planner/adapters.py), and the weights add the frozen base, its projections at
+                     adapter.base_dtype (NF4 0.516, FP8 1.031 bytes per weight)
     prompt_state     the state kinds' own formulas (prompt_state/*.py analytic_bytes) for the stage's
                      layers, at this rank's share of the positions (1/cp; GLM's latent also 1/tp)
     prompt_state_grad exact mode: the state gradient accumulators (analytic_grad_bytes)
@@ -150,8 +153,17 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
         # recompute: logits, their work-dtype copy (none when the model is already in it), the shifted
         # values and their exp; backward: the logits' gradient and the output layer's weight gradient
         copies = e + (0 if e == w else w) + 2 * w
-        top = max(top, c * vocab * copies, c * vocab * e + vocab * m.hidden_size * e)
+        # (no output-layer weight gradient when it is frozen: adapters that leave lm_head out)
+        frozen = cfg.adapter.enabled and "lm_head" not in cfg.adapter.resolved_targets(m.projection_shapes())
+        top = max(top, c * vocab * copies, c * vocab * e + (0 if frozen else vocab * m.hidden_size * e))
         top += T * layers[m.layer_types[-1]].norm_bytes(m.hidden_size, e)  # the final norm: the layers' kind
+    if cfg.adapter.enabled and cfg.adapter.base_dtype in ("nf4", "fp8"):
+        # a quantized projection's weight, dequantized for its product (forward and backward)
+        from longstraw_mcore.planner.adapters import largest_projection
+
+        deq = largest_projection(family.checkpoint.adapter_sites(m), p.tp, p.ep, stage) * e
+        top += deq
+        out["capture"] += deq
     out["replay"] = saved(T, T) + top + one_grad
     out["prompt_backward"] = saved(chunk, 0, recompute=True) + one_grad if exact else 0
     return out
@@ -184,6 +196,15 @@ def plan_memory(family, cfg, P: int, R: int, G: int, world_size: int, cuda: bool
         types = [m.layer_types[i] for i in layers]
         n = rank_params(family, m, p.tp, p.ep, stages, s)
         out = {"weights": n * e}
+        if cfg.adapter.enabled:  # only the adapters train; the base's projections at adapter.base_dtype
+            from longstraw_mcore.planner.adapters import BASE_BYTES, adapter_params, projection_params
+
+            sites = family.checkpoint.adapter_sites(m)
+            proj = projection_params(sites, p.tp, p.ep, layers)
+            kind = cfg.adapter.base_dtype
+            base = (n - proj) * e + int(proj * (BASE_BYTES[kind] if kind in BASE_BYTES else e))
+            n = adapter_params(sites, cfg, p.tp, p.ep, layers, s == p.pp - 1)
+            out["weights"] = base + n * e
         if grads == "plain":
             out["gradients"] = n * e
         elif t.grad_reduction == "micro_step":

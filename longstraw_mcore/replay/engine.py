@@ -78,12 +78,23 @@ def replay_branches(model, state: PromptState, prompt_last: int, responses: list
 
 
 def run_group(model, prompt: list[int], responses: list[list[int]], loss_fn: BranchLoss, cfg: ReplayConfig,
-              order: list[int] | None = None, timed: bool = False):
-    """Capture, replay every branch with `loss_fn`, and (exact mode) the prompt backward.
+              order: list[int] | None = None, timed: bool = False, state: PromptState | None = None):
+    """Capture, replay every branch with `loss_fn`, and (exact mode) the prompt backward. `state`: the
+    prompt's state captured before (adapter.prompt=frozen: it holds no trainable weight), replayed
+    against without a capture.
 
     Returns (results, state) or, with `timed`, (results, state, seconds per phase)."""
     t0 = time.perf_counter()
     order = list(range(len(responses))) if order is None else order
+    if state is not None:
+        if not prompt_is_frozen(model):
+            raise ValueError("run_group(state=...): a captured state is reused only with adapter.prompt=frozen")
+        results, state, seconds = execute(model, replay_steps(order, cfg.batch_branches),
+                                          _group(model, prompt, responses, loss_fn, cfg), state)
+        seconds.setdefault("replay", 0.0)
+        seconds["capture"], seconds["total"] = 0.0, time.perf_counter() - t0
+        ordered = [results[b] for b in sorted(results)]
+        return (ordered, state, seconds) if timed else (ordered, state)
     # adapter.prompt=frozen: the prompt state depends on no trainable weight, so the exact gradient is
     # the detached one and the prompt sweep is skipped
     if prompt_is_frozen(model) and cfg.mode == "exact":

@@ -46,7 +46,9 @@ def _scaled(fn, scale: float):
 
 
 def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConfig, scale: float = 1.0,
-                  ref_model=None, index: int = 0) -> GroupStats:
+                  ref_model=None, index: int = 0, state=None) -> GroupStats:
+    """One group's loss and gradient (`state`: its prompt's state captured before, reused with
+    adapter.prompt=frozen: run_group)."""
     t0 = time.perf_counter()
     stats = GroupStats(reward_mean=sum(group.rewards) / len(group.rewards))
     ref_state_bytes = 0
@@ -80,7 +82,8 @@ def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConf
                                  old_logprobs=group.old_logprobs, ref_logprobs=[lp.tolist() for lp in ref_lps])
         fn = group_loss_fn(group, gcfg, adv)
         loss = None
-    results, state, seconds = run_group(model, group.prompt, group.responses, _scaled(fn, scale), rcfg, timed=True)
+    results, state, seconds = run_group(model, group.prompt, group.responses, _scaled(fn, scale), rcfg, timed=True,
+                                        state=state)
     per = [r.stats for r in results]
     stats.loss = loss if loss is not None else sum(s["loss"] for s in per)
     stats.tokens = sum(s["tokens"] for s in per)

@@ -29,19 +29,37 @@ def make_task(cfg: RunConfig) -> KeyRecall:
 class OnlineGroups:
     def __init__(self, cfg: RunConfig):
         self.cfg, self.task = cfg, make_task(cfg)
+        self.states: dict = {}   # slot -> the prompt state its group was sampled against (adapter.prompt=frozen)
+        self.reused = 0          # groups of the last call whose state came from an earlier step
 
     def example(self, idx: int, lengths: tuple[int, int] | None = None) -> tuple[list[int], list[int]]:
         return self.task.make(random.Random(self.cfg.task.seed * 1_000_003 + idx), lengths)
 
     def groups(self, model, step: int, dp_rank: int, dp: int, n: int) -> list[RolloutGroup]:
-        out = []
-        lengths = self.cfg.task.lengths(step)
+        """This rank's `n` groups of `step`. With adapter.prompt=frozen the prompt states sampled against
+        are kept (`states`: the trainer replays against them instead of capturing again), and with
+        replay.reuse_steps=K the same prompts serve K consecutive steps, their states captured once
+        (at a block's first step, or again after a resume), new branches sampled each step."""
+        from longstraw_mcore.replay.steps import prompt_is_frozen
+
+        K = self.cfg.replay.reuse_steps
+        block, within = divmod(step - 1, K)
+        keep = prompt_is_frozen(model)
+        if within == 0 or not keep:
+            self.states = {}
+        out, reused = [], 0
+        lengths = self.cfg.task.lengths(block * K + 1)
         for i in range(n):
-            idx = ((step - 1) * dp + dp_rank) * n + i
+            idx = (block * dp + dp_rank) * n + i
             prompt, key = self.example(idx, lengths)
-            sg = sample_group(model, prompt, self.cfg.rollout, self.cfg.replay, index=idx)
+            state = self.states.get(i)
+            reused += state is not None
+            sg = sample_group(model, prompt, self.cfg.rollout, self.cfg.replay, index=idx * K + within, state=state)
+            if keep:
+                self.states[i] = sg.state
             out.append(RolloutGroup(prompt=prompt, responses=sg.responses,
                                     rewards=[reward(r, key) for r in sg.responses], old_logprobs=sg.logprobs))
+        self.reused = reused
         return out
 
     def held_out(self, model, dp_group, device) -> float:

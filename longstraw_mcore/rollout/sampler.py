@@ -35,6 +35,7 @@ class SampledGroup:
     prompt: list[int]
     responses: list[list[int]]
     logprobs: list[list[float]]      # the model's log-prob of each sampled token (temperature 1)
+    state: object = None             # the prompt state it sampled against (prompt_state/containers.py)
 
 
 def full_logits(core, hidden: torch.Tensor) -> torch.Tensor:
@@ -98,8 +99,10 @@ def _next_tokens(model, core, ids, ctx, cfg: RolloutConfig, u: torch.Tensor):
 
 
 @torch.no_grad()
-def sample_group(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayConfig, index: int = 0) -> SampledGroup:
-    """G = cfg.group_size responses to `prompt` (prompt index `index` keys the random numbers)."""
+def sample_group(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayConfig, index: int = 0,
+                 state=None) -> SampledGroup:
+    """G = cfg.group_size responses to `prompt` (prompt index `index` keys the random numbers), against
+    `state` (the prompt's captured state, reused: adapter.prompt=frozen) or a fresh capture."""
     from longstraw_mcore.parallel.cp import CPLayout
     from longstraw_mcore.prompt_state.contexts import ReplayContext
     from longstraw_mcore.replay.engine import capture
@@ -107,8 +110,9 @@ def sample_group(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayCon
     core = core_of(model)
     check_prompt(prompt, cfg, core.model_cfg.vocab_size, f"prompt {index}")
     device = next(core.parameters()).device
-    state = capture(model, torch.tensor([prompt[:-1]], device=device),
-                    ReplayConfig(mode="detached", chunk_len=replay.chunk_len))
+    if state is None:
+        state = capture(model, torch.tensor([prompt[:-1]], device=device),
+                        ReplayConfig(mode="detached", chunk_len=replay.chunk_len))
     layout = CPLayout.of(core.cp_group)
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
     G, stop = cfg.group_size, set(cfg.stop_ids)
@@ -128,4 +132,4 @@ def sample_group(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayCon
         if all(done):
             break
     responses = [s[1:1 + len(lp)] for s, lp in zip(seqs, logps)]
-    return SampledGroup(prompt=list(prompt), responses=responses, logprobs=logps)
+    return SampledGroup(prompt=list(prompt), responses=responses, logprobs=logps, state=state)

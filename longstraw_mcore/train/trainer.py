@@ -111,9 +111,10 @@ class Trainer:
             mine = [(gi, self.groups[gi]) for gi in
                     (group_index(self.step, self._dp_rank(), i, par.dp, gps, len(self.groups)) for i in range(gps))]
         t_sample = time.perf_counter() - t_sample
+        states = self.online.states if self.online is not None else {}
         for gi, group in mine:
             st = process_group(self.ddp, group, cfg.replay, cfg.grpo, scale=1.0 / gps,
-                               ref_model=self.ref_model, index=gi)
+                               ref_model=self.ref_model, index=gi, state=states.get(gi))
             for j, x in enumerate((st.loss, st.reward_mean, st.tokens, st.clipped, st.kl_sum, float(st.skipped), 1.0,
                                    st.state_bytes + st.ref_state_bytes, len(group.prompt))):
                 acc[j] += x
@@ -134,6 +135,7 @@ class Trainer:
         }
         if self.online is not None:
             metrics["sample_seconds"] = t_sample
+            metrics["reused_states"] = self.online.reused  # groups replayed against an earlier step's capture
             # every token the step ran: the prompts (captured, and in exact mode recomputed) and the responses
             metrics["tokens_per_s"] = (acc[8] + acc[2]) / max(metrics["seconds"], 1e-9)
         self.history.append(metrics)

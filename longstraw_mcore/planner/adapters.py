@@ -1,0 +1,56 @@
+"""What LoRA / QLoRA changes in a rank's memory (planner/memory.py): the adapter parameters (with their
+gradients and optimizer state: the only trainable ones), and the frozen base's projections at
+adapter.base_dtype. Counted from the family's adapter sites (adapters/sites.py) as attach builds them:
+column projections split B over tp, row projections split A, experts are whole on their EP rank."""
+
+from __future__ import annotations
+
+BASE_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "fp8": 1 + 4 / 128}
+"""Bytes per quantized weight: NF4 = 4 bits + a uint8 scale per 64 + a float32 per 256 scales
+(torchao, measured 0.5158 on a [4352, 5120] shard); FP8 = 1 byte + a float32 scale per 128."""
+
+
+def _mine(s, layers: range, last_stage: bool) -> bool:
+    return last_stage if s.layer is None else s.layer in layers
+
+
+def adapter_params(sites, cfg, tp: int, ep: int, layers: range, last_stage: bool) -> int:
+    """This rank's adapter elements (all its experts' on its EP share)."""
+    a = cfg.adapter
+    targets = set(a.resolved_targets({s.target: s.shape for s in sites}))
+    n = 0
+    for s in sites:
+        if s.target not in targets or not _mine(s, layers, last_stage):
+            continue
+        out, n_in = s.shape
+        A, B = a.rank * n_in, a.rank * out
+        if s.kind == "column":
+            B //= tp
+        elif s.kind == "row":
+            A //= tp
+        n += (A + B) if s.expert is None else (A + B) / ep
+    return int(n)
+
+
+def projection_params(sites, tp: int, ep: int, layers: range) -> int:
+    """This rank's base projection weights (what adapter.base_dtype quantizes; the output layer stays)."""
+    n = 0
+    for s in sites:
+        if s.layer is None or s.layer not in layers:
+            continue
+        size = s.shape[0] * s.shape[1]
+        n += size / ep if s.expert is not None else size / tp
+    return int(n)
+
+
+def largest_projection(sites, tp: int, ep: int, layers: range) -> int:
+    """The largest base projection on this rank (a fused one counted whole: linear_fc1 = gate + up), in
+    weights: what a quantized base dequantizes for one product."""
+    per: dict[str, float] = {}
+    for s in sites:
+        if s.layer is None or s.layer not in layers:
+            continue
+        size = s.shape[0] * s.shape[1] / (1 if s.expert is not None else tp)  # an expert is whole on its rank
+        for part in s.parts:
+            per[part.module] = per.get(part.module, 0) + size * (part.rows[1] - part.rows[0]) / s.shape[0]
+    return int(max(per.values(), default=0))
