@@ -6,7 +6,11 @@ parameters, planned (planner/memory.step_peak_bytes) and measured, each within 1
     the tiny Qwen config in float32, bfloat16 and float64, a 16K vocabulary (the log-prob chunk
     dominates), TP=2, CP=2, both modes; and the tiny GLM-5.2 (MLA + DSA + MoE) in exact mode, which
     the planner underestimates by about 12% (its MLA and MoE backward transients are not modelled yet):
-    held to 15% so that it cannot drift unseen, and reported as outside the 10% in the README."""
+    held to 15% so that it cannot drift unseen, and reported as outside the 10% in the README;
+  - 4 adapter points (LoRA and QLoRA nf4 on the frozen base, both modes, TP=1 and TP=2). The planner
+    counts a trainable base's saved tensors; with the base frozen autograd keeps less (no normalised
+    output for a frozen norm weight, ...: measured 9% less for a Gated DeltaNet layer, 13% for an
+    attention layer), so these plans are upper bounds: held to planned >= measured and within 15%."""
 
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ def test_planner_within_10_percent_of_measured_peaks():
     assert len(rows) >= 18
     for r in rows:
         ratio = r["planned_bytes"] / r["measured_bytes"]
-        tol = 0.15 if r["name"].startswith("glm") else 0.10
+        adapter = "LoRA" in r["name"]
+        tol = 0.15 if r["name"].startswith("glm") or adapter else 0.10
         assert abs(ratio - 1) <= tol, (r["name"], r["where"], r["P"], r["planned_bytes"], r["measured_bytes"])
-    assert sum(abs(r["planned_bytes"] / r["measured_bytes"] - 1) <= 0.10 for r in rows) >= 17
+        assert not adapter or ratio >= 1.0, (r["name"], ratio)
+    assert sum(abs(r["planned_bytes"] / r["measured_bytes"] - 1) <= 0.10 for r in rows) >= 20

@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 
-import torch
-
 from longstraw_mcore.launch_local import run_ranks
 
 LAYOUTS = {1: [dict()], 4: [dict(tp=2, cp=2), dict(pp=2)]}  # pp=2 on 4 ranks: dp=2

@@ -193,7 +193,7 @@ def _tp_worker(rank, world_size):
         group = make_group(m, 12, [4, 6], 31)
         gcfg = GRPOConfig()
         fn = group_loss_fn(group, gcfg, advantages(group.rewards, gcfg))
-        runs = []
+        runs, deq = [], {}  # deq: the nf4 run's dequantized shards, for the dense run after it
         for kind in ("nf4", "dense", "original"):
             model = fam.build_model(m, par, "cpu")
             load_full(model, base)
