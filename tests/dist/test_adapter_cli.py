@@ -1,7 +1,8 @@
 """A LoRA round trip as a user runs it (float32, torchrun, TP=2): a PEFT adapter in (`train --adapter`),
 2 training steps, the checkpoint's adapter exported (tools/convert_checkpoint.py adapter-export) and
 merged; `peft` loads the export into the transformers model and its log-probs equal the project's
-(`validate --adapter`, <= 1e-5), the merged model's equal the adapter applied (<= 1e-5). The
+(`validate --adapter`, <= 1e-5), the merged model's equal the adapter applied (<= 1e-5); validate's
+--dump-grads writes the adapter gradients under PEFT's names. The
 checkpoint holds the adapters only (no model shards) and an optimizer state of adapter size: Adam's
 two moments of exactly this rank's adapter shards."""
 
@@ -106,8 +107,12 @@ def test_peft_in_train_export_merge_round_trip(case):
     moved = max(float((after[k] - before[k]).abs().max()) for k in before)
     assert moved > 1e-4, moved  # two steps at lr 0.01 moved the adapter
 
-    v = longstraw(2, "validate", "--adapter", str(tmp / "peft_out"), "--out", str(tmp / "val"), *common)
+    v = longstraw(2, "validate", "--adapter", str(tmp / "peft_out"), "--out", str(tmp / "val"), "--dump-grads",
+                  *common)
     assert v.returncode == 0, v.stderr[-3000:]
+    grads = load_file(str(tmp / "val" / "grads.safetensors"))  # the adapter gradients, under PEFT's names
+    assert set(grads) == set(after) and all(grads[k].shape == after[k].shape for k in after)
+    assert all(float(grads[k].abs().max()) > 0 for k in grads if "lora_B" in k)
     receipt = json.loads((tmp / "val" / "receipt.json").read_text())
     assert "LoRA r=4" in receipt["trained"]
     groups = load_rollouts(tmp / "r.jsonl", m.vocab_size)
