@@ -60,6 +60,9 @@ $py tools/make_rollouts.py "$work/rollouts.jsonl" --vocab 512 --groups 4 --promp
 step train $lt train --config $tiny --rollouts "$work/rollouts.jsonl" --steps 3 --save "$work/ckpt" \
   --metrics-out "$out/train_metrics.jsonl" device=$dev model.dtype=bfloat16 replay.mode=exact replay.chunk_len=64 \
   train.save_every=3 train.lr=1e-3
+step train_qlora $lt train --config $tiny --rollouts "$work/rollouts.jsonl" --steps 2 \
+  device=$dev model.dtype=bfloat16 adapter.rank=4 adapter.base_dtype=nf4 replay.mode=exact replay.chunk_len=64 \
+  train.lr=1e-3
 $py tools/make_hf_model.py "$work/hf" --config $tiny model.dtype=float64 > /dev/null
 step validate_$dev $lt validate --hf "$work/hf" --rollouts "$work/rollouts.jsonl" --out "$work/validate_$dev" \
   --mode exact --dump-grads device=$dev model.dtype=float64 replay.chunk_len=64
