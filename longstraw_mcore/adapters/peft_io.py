@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from longstraw_mcore.adapters.sites import Site
+from longstraw_mcore.checkpoint.hf import write_dir_atomically
 from longstraw_mcore.config import AdapterConfig, ConfigError
 
 PREFIX = "base_model.model."
@@ -52,11 +51,11 @@ def read_peft(path: str | Path, sites: list[Site], base: AdapterConfig) -> tuple
         for key in fh.keys():
             if not key.startswith(PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
                 raise ConfigError(f"{st}: tensor {key!r} is not a LoRA factor ({PREFIX}<module>.lora_A/B.weight)")
-            name, which = key[len(PREFIX):].rsplit(".", 2)[0], key.rsplit(".", 2)[1]
+            name, factor = _module_and_factor(key)
             if name not in by_name:
                 raise ConfigError(f"{st}: {key!r}: the model has no projection {name!r} an adapter can target "
                                   "(is this adapter for another base model?)")
-            canonical.setdefault(name, [None, None])[which == "lora_B"] = fh.get_tensor(key).to(torch.float64)
+            canonical.setdefault(name, [None, None])[factor] = fh.get_tensor(key).to(torch.float64)
     if not canonical:
         raise ConfigError(f"{st}: holds no LoRA tensors")
     for name, (A, B) in canonical.items():
@@ -91,25 +90,26 @@ def write_peft(path: str | Path, tensors: dict[str, tuple[torch.Tensor, torch.Te
     """Write a PEFT directory atomically (a temporary sibling renamed into place)."""
     from safetensors.torch import save_file
 
-    dst = Path(path)
-    if dst.exists() and any(dst.iterdir()):
-        raise ConfigError(f"{dst}: exists and is not empty; refusing to overwrite")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp", dir=dst.parent))
-    try:
-        flat = {}
-        for name, (A, B) in tensors.items():
-            flat[f"{PREFIX}{name}.lora_A.weight"] = A.contiguous()
-            flat[f"{PREFIX}{name}.lora_B.weight"] = B.contiguous()
-        save_file(flat, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    def fill(tmp: Path) -> None:
+        save_file(_flat(tensors), str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(peft_config(cfg, targets, base_model), indent=2))
-        if dst.exists():
-            dst.rmdir()
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dst
+
+    return write_dir_atomically(path, fill, error=ConfigError)
+
+
+def _flat(tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """{module: (A, B)} -> PEFT's tensor names."""
+    flat = {}
+    for name, (A, B) in tensors.items():
+        flat[f"{PREFIX}{name}.lora_A.weight"] = A.contiguous()
+        flat[f"{PREFIX}{name}.lora_B.weight"] = B.contiguous()
+    return flat
+
+
+def _module_and_factor(key: str) -> tuple[str, int]:
+    """`base_model.model.<module>.lora_A.weight` -> (module, 0); lora_B -> 1."""
+    module, factor, _ = key[len(PREFIX):].rsplit(".", 2)
+    return module, int(factor == "lora_B")
 
 
 def _whole(t: torch.Tensor, dim: int, tp_group) -> torch.Tensor:
@@ -172,10 +172,7 @@ def dump_grads(aset, path: str | Path, log=print) -> None:
     grads = gather_canonical(aset, aset.parallel, grads=True)
     if dist.get_rank() != 0:
         return
-    flat = {}
-    for name, (A, B) in grads.items():
-        flat[f"{PREFIX}{name}.lora_A.weight"] = A.contiguous()
-        flat[f"{PREFIX}{name}.lora_B.weight"] = B.contiguous()
+    flat = _flat(grads)
     dst = Path(path)
     tmp = dst.with_name(f".{dst.name}.tmp")
     save_file(flat, str(tmp), metadata={"format": "pt"})
@@ -193,8 +190,8 @@ def export_peft(src: str | Path, dst: str | Path, base_model: str | None = None,
     tensors = load_file(str(s / "adapter_model.safetensors"))
     pairs = {}
     for key, t in tensors.items():
-        name, which = key[len(PREFIX):].rsplit(".", 2)[0], key.rsplit(".", 2)[1]
-        pairs.setdefault(name, [None, None])[which == "lora_B"] = t
+        name, factor = _module_and_factor(key)
+        pairs.setdefault(name, [None, None])[factor] = t
     cfg = AdapterConfig(rank=raw["r"], alpha=float(raw["lora_alpha"]), targets=list(raw["target_modules"]))
     out = write_peft(dst, {k: tuple(v) for k, v in pairs.items()}, cfg, list(raw["target_modules"]),
                      base_model or raw.get("base_model_name_or_path"))

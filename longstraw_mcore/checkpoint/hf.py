@@ -83,20 +83,16 @@ def read_tensors(path: str | Path, name: Callable[[str], str | None] | None = No
     return tensors, tensors.skipped
 
 
-def write_hf(path: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
-    """Write config.json (`config`: the family's, checkpoint/<family>.py `hf_config_dict`) +
-    model.safetensors atomically (temp dir, then rename). Refuses to overwrite a non-empty directory."""
-    from safetensors.torch import save_file
-
+def write_dir_atomically(path: str | Path, fill: Callable[[Path], None], error=CheckpointError) -> Path:
+    """Create directory `path` whole or not at all: `fill(tmp)` writes a temporary sibling, which is then
+    renamed into place (removed if anything fails). Refuses (`error`) to overwrite a non-empty directory."""
     dst = Path(path)
     if dst.exists() and any(dst.iterdir()):
-        raise CheckpointError(f"{dst}: exists and is not empty; refusing to overwrite")
+        raise error(f"{dst}: exists and is not empty; refusing to overwrite")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp", dir=dst.parent))
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        fill(tmp)
         if dst.exists():
             dst.rmdir()
         os.replace(tmp, dst)
@@ -104,3 +100,16 @@ def write_hf(path: str | Path, tensors: dict[str, torch.Tensor], config: dict) -
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def write_hf(path: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """Write config.json (`config`: the family's, checkpoint/<family>.py `hf_config_dict`) +
+    model.safetensors atomically (temp dir, then rename). Refuses to overwrite a non-empty directory."""
+    from safetensors.torch import save_file
+
+    def fill(tmp: Path) -> None:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+
+    return write_dir_atomically(path, fill)

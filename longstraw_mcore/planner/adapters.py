@@ -10,6 +10,19 @@ BASE_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "fp8": 1 + 4 / 128}
 (torchao, measured 0.5158 on a [4352, 5120] shard); FP8 = 1 byte + a float32 scale per 128."""
 
 
+_SITES: dict[tuple[str, str], list] = {}
+
+
+def sites_of(family, m) -> list:
+    """The family's adapter sites for model `m`, built once per model (a plan evaluates many prompt
+    lengths; GLM-5.2 has ~60,000 sites, one per routed expert and projection)."""
+    key = (family.name, repr(m))
+    if key not in _SITES:
+        _SITES.clear()  # one model at a time
+        _SITES[key] = family.checkpoint.adapter_sites(m)
+    return _SITES[key]
+
+
 def _mine(s, layers: range, last_stage: bool) -> bool:
     return last_stage if s.layer is None else s.layer in layers
 

@@ -159,9 +159,9 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
         top += T * layers[m.layer_types[-1]].norm_bytes(m.hidden_size, e)  # the final norm: the layers' kind
     if cfg.adapter.enabled and cfg.adapter.base_dtype in ("nf4", "fp8"):
         # a quantized projection's weight, dequantized for its product (forward and backward)
-        from longstraw_mcore.planner.adapters import largest_projection
+        from longstraw_mcore.planner.adapters import largest_projection, sites_of
 
-        deq = largest_projection(family.checkpoint.adapter_sites(m), p.tp, p.ep, stage) * e
+        deq = largest_projection(sites_of(family, m), p.tp, p.ep, stage) * e
         top += deq
         out["capture"] += deq
     out["replay"] = saved(T, T) + top + one_grad
@@ -197,9 +197,9 @@ def plan_memory(family, cfg, P: int, R: int, G: int, world_size: int, cuda: bool
         n = rank_params(family, m, p.tp, p.ep, stages, s)
         out = {"weights": n * e}
         if cfg.adapter.enabled:  # only the adapters train; the base's projections at adapter.base_dtype
-            from longstraw_mcore.planner.adapters import BASE_BYTES, adapter_params, projection_params
+            from longstraw_mcore.planner.adapters import BASE_BYTES, adapter_params, projection_params, sites_of
 
-            sites = family.checkpoint.adapter_sites(m)
+            sites = sites_of(family, m)
             proj = projection_params(sites, p.tp, p.ep, layers)
             kind = cfg.adapter.base_dtype
             base = (n - proj) * e + int(proj * (BASE_BYTES[kind] if kind in BASE_BYTES else e))

@@ -9,8 +9,9 @@ tensors and compared with the same reference."""
 
 from __future__ import annotations
 
-import dataclasses
 import tempfile
+
+from adapter_reference import check_layouts
 
 from longstraw_mcore.launch_local import run_ranks
 
@@ -48,83 +49,22 @@ def _reference(m, groups, gcfg):
 
 
 def _worker(rank, world_size):
-    from adapter_reference import worst
+    from adapter_reference import compare_layouts
     from hf_reference import tiny_model_config
     from test_replay_equivalence import make_group
 
-    import torch.distributed as dist
-    from megatron.core.distributed import finalize_model_grads
-
-    from longstraw_mcore.adapters.attach import attach
-    from longstraw_mcore.adapters.peft_io import gather_canonical, read_peft
-    from longstraw_mcore.checkpoint.full_state import load_full
-    from longstraw_mcore.config import AdapterConfig, ParallelConfig, ReplayConfig, RunConfig
-    from longstraw_mcore.families import get_family
-    from longstraw_mcore.loss.grpo import GRPOConfig, advantages, group_loss_fn
-    from longstraw_mcore.parallel.groups import setup_parallel
-    from longstraw_mcore.replay.engine import run_group
-    from longstraw_mcore.train.trainer import wrap_ddp
+    from longstraw_mcore.loss.grpo import GRPOConfig
 
     m = tiny_model_config(linear_num_key_heads=4, linear_num_value_heads=8)  # CP=2 x TP=2 splits GDN by heads
-    fam = get_family(m.family)
     gcfg = GRPOConfig(beta=0.05)
     groups = [make_group(m, 13, [5, 1, 7], 11), make_group(m, 6, [3, 4], 12)]
-    base, d, ref = _reference(m, groups, gcfg) if rank == 0 else (None, None, None)
-    box = [base, d]
-    dist.broadcast_object_list(box, src=0)
-    base, d = box
-    out = []
-    for layout in LAYOUTS[world_size]:
-        par = setup_parallel(RunConfig(model=m, parallel=ParallelConfig(**layout), device="cpu"))
-        model = fam.build_model(m, par, "cpu")
-        load_full(model, base)
-        sites = fam.checkpoint.adapter_sites(m)
-        cfg, canon = read_peft(d, sites, AdapterConfig())
-        aset = attach(model, sites, cfg, par, seed=0, canonical=canon, padded_vocab=model.padded_vocab_size)
-        # Megatron DDP over the adapters (the only trainable parameters): its average over data x context
-        # parallel ranks completes the gradients, as in training
-        ddp = wrap_ddp(model, RunConfig(model=m, parallel=ParallelConfig(**layout), device="cpu"), par)
-        # exact mode with prompt=frozen runs as detached (replay/engine.py): checked at one rank, the same
-        # plan as detached-frozen under the other layouts
-        cases = (("exact", False), ("detached", False), ("detached", True)) + ((("exact", True),) if world_size == 1
-                                                                               else ())
-        for mode, frozen in cases:
-            aset.cfg = dataclasses.replace(cfg, prompt="frozen" if frozen else "adapted")
-            rc = ReplayConfig(mode=mode, chunk_len=4)
-            worst_lp, worst_g = 0.0, (0.0, "")
-            base_grads = 0
-            for gi, group in enumerate(groups):
-                fn = group_loss_fn(group, gcfg, advantages(group.rewards, gcfg))
-                ddp.zero_grad_buffer()
-                res, _ = run_group(ddp, group.prompt, group.responses, fn, rc)
-                finalize_model_grads([ddp], pg_collection=par.pgs)
-                base_grads += sum(p.grad is not None or hasattr(p, "main_grad")
-                                  for n, p in model.named_parameters() if not n.startswith("adapters."))
-                g = gather_canonical(aset, par, grads=True)
-                every = [None] * world_size if rank == 0 else None
-                dist.gather_object([r.logprobs for r in res], every, dst=0)  # the last stage holds them
-                if rank == 0:
-                    lp_ref, g_ref = ref[("exact", False) if (mode, frozen) == ("exact", False) else ("detached", frozen)][gi]
-                    lps = next(x for x in every if x)
-                    worst_lp = max(worst_lp, max(float((a - b).abs().max()) for a, b in zip(lps, lp_ref)))
-                    worst_g = max(worst_g, worst(g, g_ref))
-            out.append(dict(layout=layout, mode=mode, frozen=frozen, logp=worst_lp, grad=worst_g[0], at=worst_g[1],
-                            base_grads=base_grads, n_adapters=len(aset.lora)))
-    return out
-
-
-def _check(out):
-    for r in out:
-        print(f"{r['layout'] or 'one rank'} {r['mode']}{' prompt=frozen' if r['frozen'] else ''}: logp {r['logp']:.1e}, "
-              f"worst adapter grad {r['grad']:.1e} ({r['at']}), {r['n_adapters']} adapters on rank 0")
-    for r in out:
-        assert r["logp"] <= 1e-10 and r["grad"] <= 1e-10, r
-        assert r["base_grads"] == 0, r
+    return compare_layouts(m, groups, gcfg, lambda: _reference(m, groups, gcfg), LAYOUTS[world_size], 4, rank,
+                           world_size)
 
 
 def test_qwen_lora_one_rank_equals_peft():
-    _check(run_ranks(_worker, 1, timeout_s=600)[0])
+    check_layouts(run_ranks(_worker, 1, timeout_s=600)[0])
 
 
 def test_qwen_lora_tp_cp_and_pp_equal_peft():
-    _check(run_ranks(_worker, 4, timeout_s=900)[0])
+    check_layouts(run_ranks(_worker, 4, timeout_s=900)[0])

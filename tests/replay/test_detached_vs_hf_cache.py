@@ -43,12 +43,13 @@ def _assigning_linear_cache():
         LinearAttentionLayer.update_conv_state, LinearAttentionLayer.update_recurrent_state = orig_conv, orig_rec
 
 
-def hf_cache_reference(hf, group, loss_fn, lift):
-    """Per-branch log-probs with autograd against a no-grad prompt cache; backward of each term."""
+def hf_cache_reference(hf, group, loss_fn, lift, prompt_off=contextlib.nullcontext):
+    """Per-branch log-probs with autograd against a no-grad prompt cache; backward of each term.
+    `prompt_off()`: a context the prompt cache is built inside (adapters switched off, for instance)."""
     from transformers import DynamicCache
 
     P = len(group.prompt)
-    with lift(), torch.no_grad():
+    with lift(), torch.no_grad(), prompt_off():
         cache = DynamicCache(config=hf.config)
         hf(input_ids=torch.tensor([group.prompt[:-1]]), past_key_values=cache, use_cache=True)
     logps = []
