@@ -221,6 +221,15 @@ def is_enabled() -> bool:
     return _ENABLED
 
 
+def redirect():
+    """The CUDA -> CPU redirect for code that runs where the process-wide mode is not on the stack:
+    autograd's backward (as `_function_backward_patch` wraps Functions), e.g. a layer's recompute under
+    torch.utils.checkpoint (memory/layers.py); a no-op context when the patches are off."""
+    import contextlib
+
+    return _CudaToCpuMode() if _ENABLED else contextlib.nullcontext()
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_config_overrides() -> dict:
     """TransformerConfig fields that must take these values on CPU (no fused CUDA kernels, CPU

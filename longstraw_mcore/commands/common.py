@@ -95,6 +95,9 @@ def build_and_load(cfg, par, hf, load, log_prefix, adapter=None):
                     f"({'read from the adapter directory' if adapter is not None else 'new: B = 0'}); "
                     f"rank 0 holds {aset.num_params():,} adapter parameters beside {base:,} frozen; "
                     f"adapter.prompt={a.prompt}")
+    from longstraw_mcore.memory.layers import apply
+
+    apply(model, cfg.memory)  # recompute, state staging, the MLA query block (config/memory.py)
     return model
 
 

@@ -10,6 +10,7 @@ from longstraw_mcore.config.adapter import AdapterConfig
 from longstraw_mcore.config.errors import ConfigError, check_choices
 from longstraw_mcore.config.glm_dsa import GlmDsaConfig
 from longstraw_mcore.config.layout import ParallelConfig
+from longstraw_mcore.config.memory import MemoryConfig
 from longstraw_mcore.config.qwen3_5 import Qwen35Config
 from longstraw_mcore.config.sections import (GRPOConfig, OpsConfig, ReplayConfig, RolloutConfig, TaskConfig,
                                              TrainConfig)
@@ -35,6 +36,7 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     ops: OpsConfig = field(default_factory=OpsConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     device: Literal["cpu", "cuda", "auto"] = "auto"
     """`cpu` (gloo), `cuda` (NCCL), or `auto`: cuda when available."""
     seed: int = 1234
@@ -42,6 +44,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         check_choices(self, "")
         self.model.check_layout(self.parallel)
+        self.memory.check_run(self.replay.mode, self.model.dtype, self.train.grad_reduction, self.device)
         self.adapter.check_against(self.model.projection_shapes(), self.model.family)
         if self.replay.reuse_steps > 1 and self.adapter.prompt != "frozen":
             raise ConfigError(f"replay.reuse_steps={self.replay.reuse_steps}: one capture serves several optimizer "

@@ -44,7 +44,11 @@ class ReplayModelMixin:
         if not stop_early:
             return hidden
         last = layers[-1]
-        last.self_attention.produce_state(last.input_layernorm(hidden), state)
+        from longstraw_mcore.memory.layers import layer_state
+        from longstraw_mcore.memory.staging import staged
+
+        with staged(layer_state(state, last.layer_number), hidden.device):  # memory.state_offload / fp8
+            last.self_attention.produce_state(last.input_layernorm(hidden), state)
         return None
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -142,11 +142,11 @@ def partial_backward(q, k, v, do, delta, lse, q_start: int, k_start: int, scale:
             if sink is None:
                 dk[:, :, s0:s1] += g
             else:
-                sink[0][:, s0:s1] += g.transpose(1, 2) * sink_scale if sink_scale != 1.0 else g.transpose(1, 2)
+                sink[0][:, s0:s1] += (g.transpose(1, 2) * sink_scale if sink_scale != 1.0 else g.transpose(1, 2)).to(sink[0].device)
         if need_v:
             g = fold(p.transpose(-1, -2) @ dob)
             if sink is None:
                 dv[:, :, s0:s1] += g
             else:
-                sink[1][:, s0:s1] += g.transpose(1, 2) * sink_scale if sink_scale != 1.0 else g.transpose(1, 2)
+                sink[1][:, s0:s1] += (g.transpose(1, 2) * sink_scale if sink_scale != 1.0 else g.transpose(1, 2)).to(sink[1].device)
     return dq, dk, dv

@@ -103,11 +103,37 @@ def _selected_logits(q_nope, q_pe, c_kv, k_pe, w_uk, idx, valid, scale):
     return logits.masked_fill(~valid[:, :, None, :], float("-inf")), c_sel
 
 
+def by_query_blocks(fn, block: int, per_query: tuple, shared: tuple):
+    """`fn(*per_query, *shared)` with the per-query tensors ([B, T, ...]) split into blocks of `block`
+    queries along dim 1 and the results concatenated there. Under autograd each block runs in
+    torch.utils.checkpoint: it keeps its inputs only and gathers its selected latents again in its
+    backward (memory.mla_query_block: activations O(block x top-k), not O(T x top-k)). `block` 0, or
+    one block: a plain call. Each query's result depends only on its own row, so blocks change no number."""
+    T = per_query[0].shape[1]
+    if block <= 0 or block >= T:
+        return fn(*per_query, *shared)
+    from torch.utils.checkpoint import checkpoint
+
+    parts = []
+    for s in range(0, T, block):
+        piece = tuple(x[:, s:s + block] for x in per_query)
+        parts.append(checkpoint(fn, *piece, *shared, use_reentrant=False) if torch.is_grad_enabled()
+                     else fn(*piece, *shared))
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(xs, 1) for xs in zip(*parts))
+    return torch.cat(parts, 1)
+
+
 def mla_sparse(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                w_uk: torch.Tensor, w_uv: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, query_block: int = 0) -> torch.Tensor:
     """q_nope [B, T, H, Dn], q_pe [B, T, H, Dr] (rotated), c_kv [B, S, R], k_pe [B, S, Dr] (rotated),
-    w_uk [H, Dn, R], w_uv [H, Dv, R], idx / valid [B, T, k] -> [B, T, H, Dv]. Softmax in >= float32."""
+    w_uk [H, Dn, R], w_uv [H, Dv, R], idx / valid [B, T, k] -> [B, T, H, Dv]. Softmax in >= float32.
+    `query_block`: see `by_query_blocks`."""
+    return by_query_blocks(_mla_sparse, query_block, (q_nope, q_pe, idx, valid), (c_kv, k_pe, w_uk, w_uv, scale))
+
+
+def _mla_sparse(q_nope, q_pe, idx, valid, c_kv, k_pe, w_uk, w_uv, scale):
     logits, c_sel = _selected_logits(q_nope, q_pe, c_kv, k_pe, w_uk, idx, valid, scale)
     p = torch.softmax(logits, dim=-1).to(c_kv.dtype)
     o_lat = torch.einsum("bthk,btkr->bthr", p, c_sel)                          # attention output, latent
@@ -116,10 +142,14 @@ def mla_sparse(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_p
 
 def mla_sparse_partial(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                        w_uk: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       scale: float, query_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`mla_sparse` over a part of the keys, before the value up-projection: (o_lat [B, T, H, R], the
     softmax-weighted latents over this part's valid keys; lse [B, T, H], their log-sum-exp, -inf where a
     query has none here). Parts merge by log-sum-exp (parallel/cp_dsa.py); then o = o_lat W_UV."""
+    return by_query_blocks(_mla_sparse_partial, query_block, (q_nope, q_pe, idx, valid), (c_kv, k_pe, w_uk, scale))
+
+
+def _mla_sparse_partial(q_nope, q_pe, idx, valid, c_kv, k_pe, w_uk, scale):
     logits, c_sel = _selected_logits(q_nope, q_pe, c_kv, k_pe, w_uk, idx, valid, scale)
     lse = torch.logsumexp(logits, dim=-1)
     none = torch.isinf(lse)

@@ -150,8 +150,8 @@ def partial_backward(q, k, v, do, delta, lse, q_start: int, k_start: int, scale:
     if Bk == 1 and gk.shape[0] > 1:
         gk, gv = gk.sum(0, keepdim=True), gv.sum(0, keepdim=True)
     if sink is not None:
-        sink[0][:, :s_vis] += gk * sink_scale if sink_scale != 1.0 else gk
-        sink[1][:, :s_vis] += gv * sink_scale if sink_scale != 1.0 else gv
+        sink[0][:, :s_vis] += (gk * sink_scale if sink_scale != 1.0 else gk).to(sink[0].device)  # a host sink:
+        sink[1][:, :s_vis] += (gv * sink_scale if sink_scale != 1.0 else gv).to(sink[1].device)  # state offload
         return dq, None, None
     if need_k:
         dk[:, :, :s_vis] = gk.transpose(1, 2)

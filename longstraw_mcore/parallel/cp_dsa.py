@@ -139,7 +139,7 @@ def lse_merge(o: torch.Tensor, lse: torch.Tensor, group) -> tuple[torch.Tensor, 
 
 
 def sharded_mla_sparse(q_nope, q_pe, c_kv, k_pe, key_pos, counted, w_uk, sel_pos, valid, scale: float,
-                       levels: list) -> torch.Tensor:
+                       levels: list, query_block: int = 0) -> torch.Tensor:
     """The sparse MLA of every query over the selected keys, each rank over those it holds (`counted`
     [S_r] bool: the rows it counts; None = all), merged over `levels` (groups, innermost first): the
     attention output in latent space [B, T, H, R], the same on every rank of the groups (the caller
@@ -154,7 +154,7 @@ def sharded_mla_sparse(q_nope, q_pe, c_kv, k_pe, key_pos, counted, w_uk, sel_pos
     lookup[kp] = rows
     loc = lookup[sel_pos.clamp(0, size)]
     mine = valid & (loc >= 0)
-    o, lse = mla_sparse_partial(q_nope, q_pe, c_kv, k_pe, w_uk, loc.clamp(min=0), mine, scale)
+    o, lse = mla_sparse_partial(q_nope, q_pe, c_kv, k_pe, w_uk, loc.clamp(min=0), mine, scale, query_block)
     for group in levels:
         o, lse = lse_merge(o, lse, group)
     return o
@@ -200,7 +200,8 @@ def attend_latent_sharded(query, keys, own, tp_group, kv, layout: CPLayout | Non
         n = own.c.shape[1]
         c = torch.cat([c[:, :-n], copy_to(c[:, -n:], group=tp_group)], 1)
         k_pe = torch.cat([k_pe[:, :-n], copy_to(k_pe[:, -n:], group=tp_group)], 1)
-    o_lat = sharded_mla_sparse(q_nope, q_pe, c, k_pe, keys.pos, keys.counted, w_uk, sel, valid, query.scale, levels)
+    o_lat = sharded_mla_sparse(q_nope, q_pe, c, k_pe, keys.pos, keys.counted, w_uk, sel, valid, query.scale, levels,
+                               query.query_block)
     if kv is not None:
         o_lat = LocalHeads.apply(o_lat, kv)
     if chunk is not None:

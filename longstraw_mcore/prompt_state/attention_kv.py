@@ -32,6 +32,7 @@ def _heads(m, tp: int) -> int:
 
 class AttentionKV(LayerState):
     kind = "attention_kv"
+    staged = ("k", "v")
 
     def __init__(self, m, tp: int, captured: int, device, batch: int = 1, kv=None, spans=None):
         self.kv = kv  # KV group (tp > KV heads): keep 1/r of the positions of this rank's one KV head

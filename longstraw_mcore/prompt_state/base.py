@@ -25,6 +25,13 @@ import torch
 
 class LayerState:
     kind: ClassVar[str] = ""
+    staged: ClassVar[tuple[str, ...]] = ()
+    """Attributes holding position-sized tensors (rows along dim 1) that memory.state_offload /
+    state_dtype=fp8 keep elsewhere between the layer's runs (memory/staging.py)."""
+    exact_rows: ClassVar[tuple[str, ...]] = ()
+    """Staged attributes memory.state_dtype=fp8 keeps in the model dtype (they feed a discrete choice)."""
+    home: dict | None = None   # memory/staging.py: attribute -> (byte category, its home)
+    host: bool = False         # the homes (and exact mode's state gradients made from them) are host memory
 
     def _no(self, hook: str):
         return NotImplementedError(f"the {self.kind or type(self).__name__} state has no {hook} (a mixer called a hook "

@@ -27,12 +27,19 @@ class PromptState:
     local_bounds: list = field(default_factory=list)   # [(start, end)] of each chunk in this rank's buffers
     # (the same as chunk_bounds without context parallelism; this rank's zig-zag share otherwise)
 
-    def nbytes_by_type(self) -> dict[str, int]:
+    def nbytes_by_type(self, where: str | None = None) -> dict[str, int]:
+        """Bytes per category; `where`: "host" / "device" only (memory.state_offload puts the staged
+        tensors' homes in host memory: memory/staging.py), None: both."""
+        from longstraw_mcore.memory.staging import home_tensors
+
         seen: set[int] = set()
         out: dict[str, int] = {}
         for st in self.layers.values():
+            homes = home_tensors(st)
             for cat, tensors in st.kept().items():
-                out[cat] = out.get(cat, 0) + storage_bytes(tensors, seen)
+                if where is None or (where == "host") == (st.host and cat in homes):
+                    n = storage_bytes(list(tensors) + homes.get(cat, []), seen)
+                    out[cat] = out.get(cat, 0) + n
         return out
 
     def nbytes(self) -> int:
@@ -41,9 +48,18 @@ class PromptState:
     def grad_nbytes(self) -> int:
         """Exact mode: bytes of the state gradient (accumulators, leaf copies), storage-true, not
         counting storages the state itself already holds."""
+        return self.grad_nbytes_where(None)
+
+    def grad_nbytes_where(self, where: str | None) -> int:
+        """`grad_nbytes` of the layers whose state lives `where` ("host": memory.state_offload's kinds,
+        whose accumulators and leaves are made from their host homes; "device"; None: all)."""
+        from longstraw_mcore.memory.staging import home_tensors
+
         seen: set[int] = set()
         storage_bytes([t for st in self.layers.values() for ts in st.kept().values() for t in ts], seen)
-        return storage_bytes([t for st in self.layers.values() for t in st.grad_tensors()], seen)
+        storage_bytes([t for st in self.layers.values() for ts in home_tensors(st).values() for t in ts], seen)
+        return storage_bytes([t for st in self.layers.values() for t in st.grad_tensors()
+                              if where is None or (where == "host") == bool(st.host and st.home)], seen)
 
     def finish_capture(self, layout) -> None:
         for st in self.layers.values():

@@ -114,7 +114,8 @@ class GDNRecurrentState(LayerState):
     def recompute_read(self, chunk: int, deposit_scale: float = 1.0) -> GDNState | None:
         self.deposit_scale = deposit_scale
         entering = self.boundaries[chunk]
-        self.entry[chunk] = None if entering is None else _leaves(entering)
+        if chunk not in self.entry:  # a second call (memory.recompute=layer) reads the same leaves
+            self.entry[chunk] = None if entering is None else _leaves(entering)
         e = self.entry[chunk]
         return None if e is None else GDNState(conv=e.conv.to(self.dtype), recurrent=e.recurrent)
 

@@ -90,6 +90,7 @@ class LatentQuery:
     block: int                 # indexer key block (memory O(T (topk + block)))
     index: tuple | None = None      # full layer: the indexer's (queries [B, T, Hi, Di], weights [B, T, Hi]), no grad
     selection: tuple | None = None  # shared layer: the previous full layer's (keys [B, T, k], valid [B, T, k])
+    query_block: int = 0            # memory.mla_query_block: queries per block whose selection is recomputed
 
 
 class StateHooks:
@@ -141,7 +142,8 @@ class StateHooks:
             selection = (rows, vals > float("-inf"))
         idx, valid = selection
         c, k_pe = copy_to(keys.c, group=tp_group), copy_to(keys.pe, group=tp_group)
-        return mla_sparse(query.q_nope, query.q_pe, c, k_pe, query.w_uk, query.w_uv, idx, valid, query.scale), selection
+        return mla_sparse(query.q_nope, query.q_pe, c, k_pe, query.w_uk, query.w_uv, idx, valid, query.scale,
+                          query.query_block), selection
 
     # Megatron's TransformerLayer/Block only query these under CUDA-graph inference; answer plainly.
     def is_static_batching(self) -> bool:

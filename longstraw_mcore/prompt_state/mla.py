@@ -45,6 +45,8 @@ def _cat(a, b):
 class MLALatentState(LayerState):
     kind = "mla_latent"
     indexer = False
+    staged = ("c", "pe", "ik")
+    exact_rows = ("ik",)  # the indexer's keys choose the top-k: not rounded to fp8 (memory/staging.py)
 
     def __init__(self, m, tp: int, captured: int, device, batch: int = 1, kv=None, spans=None):
         self.dtype = m.torch_dtype
@@ -95,7 +97,9 @@ class MLALatentState(LayerState):
         """The state's rows before `end`, as the graph should see them (leaves in exact mode)."""
         if self.leaves is None:
             return [t[:, :end] if t is not None else None for t in (self.c, self.pe, self.ik)]
-        c, pe = (x[:, :end].to(self.dtype) for x in self.leaves)
+        # (the leaves live with the state's home: in host memory with memory.state_offload)
+        device = self.pos.device
+        c, pe = (x[:, :end].to(device=device, dtype=self.dtype) for x in self.leaves)
         return [c, pe, None if self.ik is None else self.ik[:, :end]]
 
     def replay_latent(self, own: MLAKeys, own_counted: bool = True) -> MLAKeys:

@@ -77,7 +77,16 @@ def new_state(core, plan: list[Step], g: GroupInputs, layout: CPLayout | None) -
     spans = [st.span for st in plan if st.phase == "capture"]
     local = sum(local_count(e - s, cp, rank) for s, e in spans)
     device = next(core.parameters()).device
-    return allocate(core.state_kinds(), core.model_cfg, core.tp_size, local, device, kv=core.kv_group, spans=spans)
+    mcfg = getattr(core, "memory", None)
+    if mcfg is None or not mcfg.stages_state:
+        return allocate(core.state_kinds(), core.model_cfg, core.tp_size, local, device, kv=core.kv_group,
+                        spans=spans)
+    from longstraw_mcore.memory.staging import place
+
+    # memory.state_offload / state_dtype=fp8: shapes first (meta), then each staged tensor's home
+    state = allocate(core.state_kinds(), core.model_cfg, core.tp_size, local, "meta", kv=core.kv_group, spans=spans)
+    place(state, mcfg, device)
+    return state
 
 
 def same_schedule_over_ep(core, plan: list[Step]) -> None:
@@ -207,7 +216,9 @@ def recompute_chunk(core, state: PromptState, step: Step, g: GroupInputs, layout
 def chunk_seeds(state: PromptState, chunk: int, layout: CPLayout | None) -> list[torch.Tensor]:
     """The gradients a chunk's recompute is seeded with (scaled by CP: each rank recomputes 1/n of the
     chunk's tokens, see prompt_state/contexts.py)."""
-    grads = state.seed_grads(chunk)
+    grads = state.seed_grads(chunk)  # (host tensors with memory.state_offload: moved to the outputs' device)
+    outs = state.outputs(chunk)
+    grads = [g.to(o.device) for g, o in zip(grads, outs)]
     return grads if layout is None else [x * layout.size for x in grads]
 
 

@@ -39,7 +39,8 @@ def build_training(model, cfg: RunConfig, par):
 
         t = cfg.train
         grads = ShardedGradients(model, par.pgs.dp_cp, par)
-        return grads, ShardedAdam(grads, t.lr, (t.adam_beta1, t.adam_beta2), t.adam_eps, t.weight_decay, t.clip_grad)
+        return grads, ShardedAdam(grads, t.lr, (t.adam_beta1, t.adam_beta2), t.adam_eps, t.weight_decay, t.clip_grad,
+                                  offload=cfg.memory.optimizer_offload)
     ddp = wrap_ddp(model, cfg, par)
     return ddp, build_optimizer(ddp, cfg, par)
 
@@ -69,6 +70,22 @@ def wrap_ddp(model, cfg: RunConfig, par):
     return ddp
 
 
+def offload_kwargs(cfg: RunConfig) -> dict:
+    """memory.optimizer_offload through Megatron-Core's own CPU offload: the whole optimizer (fp32 master
+    weights, Adam moments, the update) on the host (HybridDeviceOptimizer, offload fraction 1); pinned
+    host copies on CUDA only (pinning needs a driver)."""
+    if not cfg.memory.optimizer_offload:
+        return {}
+    cuda = cfg.resolved_device() == "cuda"
+    if not cuda:
+        raise ConfigError("memory.optimizer_offload with train.grad_reduction=step runs Megatron-Core's "
+                          "HybridDeviceOptimizer, which offloads CUDA parameters only (with CPU parameters 0.19's "
+                          "fails in _set_sub_optimizer_grads: KeyError); on CPU use train.grad_reduction=micro_step "
+                          "(its shards in host memory) or memory.optimizer_offload=false")
+    return {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0, "overlap_cpu_optimizer_d2h_h2d": cuda,
+            "pin_cpu_grads": cuda, "pin_cpu_params": cuda}
+
+
 def build_optimizer(ddp, cfg: RunConfig, par):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -76,7 +93,8 @@ def build_optimizer(ddp, cfg: RunConfig, par):
     ocfg = OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.lr, weight_decay=t.weight_decay,
                            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
                            clip_grad=t.clip_grad, bf16=cfg.model.dtype == "bfloat16",
-                           params_dtype=cfg.model.torch_dtype, use_distributed_optimizer=t.distributed_optimizer)
+                           params_dtype=cfg.model.torch_dtype, use_distributed_optimizer=t.distributed_optimizer,
+                           **offload_kwargs(cfg))
     # use_gloo_process_groups=False: the groups come from the explicit collection (gloo on CPU anyway)
     return get_megatron_optimizer(ocfg, [ddp], use_gloo_process_groups=False, pg_collection=par.pgs)
 

@@ -134,8 +134,16 @@ class ShardedGradients:
 class ShardedAdam:
     """AdamW on the master shards of `ShardedGradients`; `step()` -> (ok, grad norm, None)."""
 
-    def __init__(self, sharded: ShardedGradients, lr: float, betas, eps: float, weight_decay: float, clip_grad: float):
+    def __init__(self, sharded: ShardedGradients, lr: float, betas, eps: float, weight_decay: float, clip_grad: float,
+                 offload: bool = False):
         self.s = sharded
+        # memory.optimizer_offload: the master shards (and so AdamW's moments, made like them) in host
+        # memory, the update on the CPU; the gradient shards stay where the reduce-scatter writes them
+        self.offload = offload
+        if offload:
+            pin = sharded.par.device.type == "cuda"
+            for p in sharded.params:
+                sharded.main[p] = sharded.main[p].to("cpu").pin_memory() if pin else sharded.main[p].to("cpu")
         self.leaves = [sharded.main[p].requires_grad_(False) for p in sharded.params]
         # as Megatron's optimizer: no weight decay on 1-D parameters (norms, A_log, dt_bias)
         decay = [leaf for p, leaf in zip(sharded.params, self.leaves) if p.dim() > 1]
@@ -163,14 +171,15 @@ class ShardedAdam:
             return False, norm, None
         coeff = min(1.0, self.clip_grad / (norm + 1e-6)) if self.clip_grad > 0 else 1.0
         for p, leaf in zip(s.params, self.leaves):
-            leaf.grad = s.grad[p] * coeff
+            leaf.grad = (s.grad[p] * coeff).to(leaf.device)
         self.optimizer.step()
         for p, leaf in zip(s.params, self.leaves):
             leaf.grad = None
-            full = leaf
+            full = leaf.to(p.device)  # (the host shard back to the device: NCCL gathers device tensors)
             if s.n > 1:
-                full = torch.empty(s.per[p] * s.n, dtype=leaf.dtype, device=leaf.device)
-                dist.all_gather_into_tensor(full, leaf.contiguous(), group=s.group)
+                mine = full
+                full = torch.empty(s.per[p] * s.n, dtype=leaf.dtype, device=p.device)
+                dist.all_gather_into_tensor(full, mine.contiguous(), group=s.group)
             p.data.copy_(full[:p.numel()].view_as(p).to(p.dtype))
         return True, norm, None
 

@@ -81,6 +81,7 @@ class MLADSAMixer(MegatronModule):
         # `kv`: the TP group as one "KV group" at tp > 1 (one latent serves every head): the prompt state
         # is striped over it by sequence rather than replicated (prompt_state/mla.py)
         self.kv = kv
+        self.query_block = 0  # memory.mla_query_block (memory/layers.py): queries per recomputed block
         tp = self.tp_group.size()
         if m.num_attention_heads % tp:
             raise ValueError(f"model.num_attention_heads={m.num_attention_heads} is not divisible by tp={tp}")
@@ -145,12 +146,22 @@ class MLADSAMixer(MegatronModule):
         w = effective_weight(self.kv_b_proj).view(self.h, Dn + Dv, R)  # W (+ its adapter: adapters/lora.py)
         query = LatentQuery(q_nope, q_pe, w[:, :Dn], w[:, Dn:], pos, self.scale, m.index_topk, m.index_block,
                             index=self._index_queries(x, q_resid, pos) if self.full else None,
-                            selection=None if self.full else self.share.selection)
+                            selection=None if self.full else self.share.selection, query_block=self.query_block)
         o, selection = ctx.attend_latent(query, keys, own, self.tp_group, self.kv)
         if self.full:
             self.share.selection = selection
         out, _ = self.o_proj(o.reshape(B, T, self.h * Dv).transpose(0, 1).contiguous())
         return out, None
+
+    # memory.recompute=layer (memory/layers.py): what a call reads besides its arguments, handed to its
+    # recompute: a shared layer's selection is the previous full layer's *at the forward*; by its
+    # backward that layer (or a later one, or another micro-batch) may have set another
+    def carried(self):
+        return None if self.full else self.share.selection
+
+    def restore(self, carried) -> None:
+        if not self.full:
+            self.share.selection = carried
 
     def produce_state(self, hidden_states, inference_context) -> None:
         """Only this layer's prompt state (its latents), handed to the context: exact mode's recompute
