@@ -10,8 +10,9 @@ Subcommands (each in commands/):
             engine (any tp/pp): loss, gradient norm, throughput, memory.
   check     the checks a subcommand runs before starting, alone (config x layout x world size,
             optionally a rollouts file): what launch scripts run first.
-  plan      per-rank memory by component and FLOPs / time by phase; does it fit, the largest prompt
-            that does (no process group, no allocation).
+  plan      per-rank device memory by component, host memory per rank and node, FLOPs / time by
+            phase; does it fit, the largest prompt that does; --suggest: the fastest layout and memory
+            switches that fit, with their overrides (no process group, no allocation).
   rollout   sample G responses per prompt from the captured prompt state (temperature, top-p, stop
             ids, seeded so every layout samples the same tokens) -> a rollouts file for train.
 Every subcommand takes `--config CFG` and trailing `key=value` overrides (e.g. parallel.tp=2).
@@ -93,10 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--response-len", type=int, required=True)
     pl.add_argument("--group-size", type=int, required=True)
     pl.add_argument("--gpus", type=int, required=True, help="ranks of the run (data parallel = the rest)")
-    pl.add_argument("--device", default="H20-96GB", help="device profile: H20-96GB, H100-80GB, H200-141GB")
+    pl.add_argument("--device", default="H20-96GB",
+                    help="device profile: H20-96GB, H20-141GB, H100-80GB, H200-141GB")
     pl.add_argument("--device-gib", type=float, default=None, help="override the profile's memory (GiB)")
+    pl.add_argument("--host-gib", type=float, default=None,
+                    help="host memory per node, GiB (default 2048: an 8-GPU H20 server's DDR)")
+    pl.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node for the host total (default 8)")
     pl.add_argument("--efficiency", type=float, default=0.05,
                     help="fraction of the bf16 peak for the time estimate (plain kernels measured 3-7%% on H200)")
+    pl.add_argument("--suggest", action="store_true",
+                    help="search layouts and memory switches for the fastest plan that fits; print its overrides")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--png", default=None, help="also draw the per-rank memory against the device's (PNG file)")
     pl.add_argument("overrides", nargs="*", help="key=value config overrides")

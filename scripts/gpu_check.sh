@@ -3,12 +3,16 @@
 # leaves JSON where it measures something; OUT/summary.txt lists every step with ok/FAILED and seconds.
 #   1 smoke       `longstraw smoke`, tiny model, bf16 (count_parameters / grad_norm on NCCL)
 #   2 train       `longstraw train`, tiny, bf16, exact mode, 3 steps with a checkpoint -> train_metrics.jsonl
+#   2b offload    `longstraw train` with memory.optimizer_offload (Megatron's HybridDeviceOptimizer), layer
+#                 recompute and the prompt state in host memory; tools/plan_vs_measured.py --points cuda:
+#                 the memory-switch points, device and host bytes planned against measured
 #   3 validate    `longstraw validate`, tiny, float64, exact, the same HF weights on CUDA and on CPU;
 #                 tools/compare_validate.py -> validate_compare.json (loss, log-probs, grads <= 1e-10)
 #   4 tests       the unit tests that apply on CUDA (tests/gpu, cpu_compat's cuda case, the attention ops)
 #   5 bench       tools/bench_replay.py at Qwen3.6-27B width, 4 layers, bf16: P=128K detached and
 #                 P=32K exact (R=1K, G=2) -> bench_*.json (tokens/s per phase, peak memory, TFLOP/s
-#                 and the fraction of the H200's dense bf16 peak, 989 TFLOP/s)
+#                 and the fraction of the H200's dense bf16 peak, 989 TFLOP/s); P=128K detached again
+#                 with recompute, the state in host memory as fp8 (bench_128k_offload.json)
 # Usage:
 #   bash scripts/gpu_check.sh [OUT]                  on the CUDA machine (OUT defaults to $OUT, or runs/gpu_check)
 #   bash scripts/gpu_check.sh --cpu-rehearsal [OUT]  every step on the CPU at tiny sizes: tests this script
@@ -63,6 +67,16 @@ step train $lt train --config $tiny --rollouts "$work/rollouts.jsonl" --steps 3 
 step train_qlora $lt train --config $tiny --rollouts "$work/rollouts.jsonl" --steps 2 \
   device=$dev model.dtype=bfloat16 adapter.rank=4 adapter.base_dtype=nf4 replay.mode=exact replay.chunk_len=64 \
   train.lr=1e-3
+# the memory switches (config/memory.py): Megatron's HybridDeviceOptimizer (CUDA parameters only; the CPU
+# rehearsal offloads the micro_step shards), layer recompute, the prompt state in host memory
+offload_red=step; [ "$dev" = cpu ] && offload_red=micro_step
+step train_offload $lt train --config $tiny --rollouts "$work/rollouts.jsonl" --steps 2 \
+  --metrics-out "$out/train_offload_metrics.jsonl" device=$dev model.dtype=bfloat16 replay.mode=exact \
+  replay.chunk_len=64 train.lr=1e-3 train.grad_reduction=$offload_red memory.optimizer_offload=true \
+  memory.recompute=layer memory.state_offload=true
+if [ "$dev" = cuda ]; then
+  step plan_vs_measured_switches $py tools/plan_vs_measured.py --points cuda --out "$out/plan_vs_measured_cuda.json"
+fi
 $py tools/make_hf_model.py "$work/hf" --config $tiny model.dtype=float64 > /dev/null
 step validate_$dev $lt validate --hf "$work/hf" --rollouts "$work/rollouts.jsonl" --out "$work/validate_$dev" \
   --mode exact --dump-grads device=$dev model.dtype=float64 replay.chunk_len=64
@@ -80,6 +94,9 @@ if [ "$dev" = cuda ]; then
     --out "$out/bench_128k_detached.json" model.num_layers=4 parallel.tp=1 device=cuda
   step bench_32k_exact $py tools/bench_replay.py $big --prompt-lens 32768 --modes exact \
     --out "$out/bench_32k_exact.json" model.num_layers=4 parallel.tp=1 device=cuda
+  step bench_128k_offload $py tools/bench_replay.py $big --prompt-lens 131072 --modes detached \
+    --out "$out/bench_128k_offload.json" model.num_layers=4 parallel.tp=1 device=cuda memory.recompute=layer \
+    memory.state_offload=true memory.state_dtype=fp8
 else
   step bench_rehearsal $py tools/bench_replay.py --config $tiny --prompt-lens 512 --response-lens 32 --group-sizes 2 \
     --modes detached,exact --naive-max-prompt 0 --peak-tflops 1 --out "$out/bench_rehearsal.json" device=cpu

@@ -135,6 +135,9 @@ def main(argv=None) -> int:
     configure(cfg.ops)  # ops.attention=plain|flash compares kernels; auto: flash on CUDA bf16
     family = get_family(m.family)
     model = family.build_model(m, par, cfg.resolved_device())
+    from longstraw_mcore.memory.layers import apply
+
+    apply(model, cfg.memory)  # the memory switches of the overrides (config/memory.py)
     skip = set(filter(None, a.skip.split(";")))
     rows = []
     gen = torch.Generator().manual_seed(0)

@@ -6,11 +6,18 @@
 
 What both count: the bytes a replay step allocates on top of the parameters at its worst moment, with
 the model's gradients as plain `.grad` tensors (no DDP; as tools/bench_replay.py runs it): gradients,
-prompt state, exact mode's state gradient, the worst phase's activations.
+prompt state, exact mode's state gradient, the worst phase's activations. With the memory switches
+(config/memory.py) the device and host sides apart. On a CPU-only machine both live in the same RAM,
+so "host" is told apart by ownership: the host side is the prompt state's homes (memory/staging.py)
+and exact mode's state gradients made from them, counted storage by storage from the live state
+(they are allocated before the step's worst moment and alive through it); the device side is the
+profiler's peak minus those bytes. On CUDA (scripts/gpu_check.sh) the allocator counts device bytes
+only and the host side is the same storage count.
   cpu   measured here: 2 gloo ranks, the tiny configs at several layouts, P, R, G, dtypes and both modes;
         PyTorch's profiler counts every CPU tensor allocation (bench/memory.measure_memory), the CPU twin
         of the CUDA allocator's peak. Under CP the figure is an upper bound (a buffer freed on a gloo
         thread is not seen). The largest rank of each layout.
+  cuda  the memory-switch points on this machine's GPU, one rank (scripts/gpu_check.sh runs it)
   h200  the measured rows of bench_results/h200_qwen27b_4layer_bench.json (tools/bench_replay.py on one
         H200: Qwen3.6-27B at its real width, 4 layers, bf16, P 8K-128K, R 1K, G 2/8, both modes;
         torch.cuda.max_memory_allocated above the weights, which are not counted; their .grad are).
@@ -19,6 +26,7 @@ prompt state, exact mode's state gradient, the worst phase's activations.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -52,10 +60,35 @@ CPU_POINTS = [
      ["adapter.rank=4", "adapter.base_dtype=nf4", "replay.mode=detached"], 300, 96, 4, []),
     ("qwen tiny f32 QLoRA nf4 r4 exact TP=2", "configs/qwen3.6-tiny.yaml",
      ["adapter.rank=4", "adapter.base_dtype=nf4", "replay.mode=exact"], 300, 96, 2, ["parallel.tp=2"]),
+    # the memory switches (config/memory.py): device and host bytes apart
+    ("qwen tiny f32 detached P=1200", "configs/qwen3.6-tiny.yaml", ["replay.mode=detached"], 1200, 64, 2, []),
+    ("qwen tiny f32 detached, recompute=layer", "configs/qwen3.6-tiny.yaml",
+     ["replay.mode=detached", "memory.recompute=layer"], 300, 96, 4, []),
+    ("qwen tiny f32 exact chunk 96, recompute=layer", "configs/qwen3.6-tiny.yaml",
+     ["replay.mode=exact", "replay.chunk_len=96", "memory.recompute=layer"], 300, 96, 4, []),
+    ("qwen tiny f32 exact, recompute + state offload", "configs/qwen3.6-tiny.yaml",
+     ["replay.mode=exact", "memory.recompute=layer", "memory.state_offload=true"], 1200, 64, 2, []),
+    ("qwen tiny f32 detached, recompute + state offload", "configs/qwen3.6-tiny.yaml",
+     ["replay.mode=detached", "memory.recompute=layer", "memory.state_offload=true"], 1200, 64, 2, []),
+    ("qwen tiny f32 detached, recompute + fp8 state", "configs/qwen3.6-tiny.yaml",
+     ["replay.mode=detached", "memory.recompute=layer", "memory.state_dtype=fp8"], 1200, 64, 2, []),
+    ("qwen tiny f32 detached, recompute + fp8 state offload", "configs/qwen3.6-tiny.yaml",
+     ["replay.mode=detached", "memory.recompute=layer", "memory.state_dtype=fp8", "memory.state_offload=true"],
+     1200, 64, 2, []),
+    ("glm tiny f32 detached (4 layers), recompute + MLA query blocks of 16", "configs/glm-5.2-tiny.yaml",
+     ["model.num_layers=4", "replay.mode=detached", "memory.recompute=layer", "memory.mla_query_block=16"],
+     200, 64, 2, []),
+    ("glm tiny f32 exact (4 layers), recompute + offload + MLA query blocks", "configs/glm-5.2-tiny.yaml",
+     ["model.num_layers=4", "replay.mode=exact", "memory.recompute=layer", "memory.state_offload=true",
+      "memory.mla_query_block=16"], 400, 64, 2, []),
 ]
 
 
-def _cpu_worker(rank, world_size, points):
+SWITCH_POINTS = [pt for pt in CPU_POINTS if any(o.startswith("memory.") for o in pt[2])]
+"""The memory-switch points alone (`--points cuda`: measured on one GPU by scripts/gpu_check.sh)."""
+
+
+def _cpu_worker(rank, world_size, points, device: str = "cpu"):
     import torch
 
     from longstraw_mcore.bench.memory import measure_memory
@@ -63,16 +96,17 @@ def _cpu_worker(rank, world_size, points):
     from longstraw_mcore.data.rollouts import RolloutGroup
     from longstraw_mcore.families import get_family
     from longstraw_mcore.parallel.groups import setup_parallel
-    from longstraw_mcore.planner.memory import step_peak_bytes
+    from longstraw_mcore.memory.layers import apply
+    from longstraw_mcore.planner.memory import step_host_bytes, step_peak_bytes
     from longstraw_mcore.replay.group_step import process_group
 
     out = []
     for name, config, overrides, P, R, G, layout in points:
-        cfg = load_config(os.path.join(ROOT, config), [*overrides, *layout, "device=cpu"])
+        cfg = load_config(os.path.join(ROOT, config), [*overrides, *layout, f"device={device}"])
         par = setup_parallel(cfg)
         m = cfg.model
         family = get_family(m.family)
-        model = family.build_model(m, par, "cpu")
+        model = family.build_model(m, par, device)
         if cfg.adapter.enabled:  # a new adapter (B = 0) on the frozen base, as `train` starts one
             from longstraw_mcore.adapters.attach import attach
 
@@ -82,19 +116,59 @@ def _cpu_worker(rank, world_size, points):
         prompt = torch.randint(0, m.vocab_size, (P,), generator=g).tolist()
         responses = [torch.randint(0, m.vocab_size, (R - (b % 3),), generator=g).tolist() for b in range(G)]
         group = RolloutGroup(prompt=prompt, responses=responses, rewards=[float(b % 3) for b in range(G)])
+        apply(model, cfg.memory)
         model.zero_grad(set_to_none=True)
-        _, peak, _, how = measure_memory(lambda: process_group(model, group, cfg.replay, cfg.grpo),
-                                         torch.device("cpu"))
-        out.append({"name": name, "where": "cpu (2 gloo ranks)", "config": config, "overrides": overrides + layout,
-                    "P": P, "R": R, "G": G, "mode": cfg.replay.mode, "measured_bytes": peak, "how": how,
-                    "planned_bytes": step_peak_bytes(get_family(cfg.model.family), cfg, P, R, G, world_size, cuda=False)})
+        states = []
+        with _keep_states(states):
+            _, peak, _, how = measure_memory(lambda: process_group(model, group, cfg.replay, cfg.grpo),
+                                             torch.device(device))
+        host = sum(host_bytes(st) for st in states)  # alive through the whole step, so inside its peak
+        fam = get_family(cfg.model.family)
+        out.append({"name": name, "where": f"{device} ({world_size} rank{'s' if world_size > 1 else ''})",
+                    "config": config, "overrides": overrides + layout, "P": P, "R": R, "G": G,
+                    "mode": cfg.replay.mode, "measured_bytes": peak - host if device == "cpu" else peak, "how": how,
+                    "planned_bytes": step_peak_bytes(fam, cfg, P, R, G, world_size, cuda=device == "cuda"),
+                    "measured_host_bytes": host, "planned_host_bytes": step_host_bytes(fam, cfg, P, R, G, world_size)})
     return out
 
 
-def cpu_rows(points=CPU_POINTS) -> list[dict]:
+def host_bytes(state) -> int:
+    """The host-resident bytes of a prompt state (memory.state_offload): its homes, and exact mode's
+    state gradients made from them (as they were just before the prompt backward released them),
+    counted storage by storage."""
+    return sum(state.nbytes_by_type("host").values()) + getattr(state, "host_grad_bytes", 0)
+
+
+@contextlib.contextmanager
+def _keep_states(into: list):
+    """Record every prompt state the engine allocates (replay/engine.py's new_state) while the block runs."""
+    from longstraw_mcore.replay import engine
+
+    orig = engine.new_state
+
+    def keeping(*a, **k):
+        st = orig(*a, **k)
+        release = st.release_grad
+
+        def releasing():  # exact mode: the host gradients at their largest, before they are freed
+            st.host_grad_bytes = max(getattr(st, "host_grad_bytes", 0), st.grad_nbytes_where("host"))
+            release()
+
+        st.release_grad = releasing
+        into.append(st)
+        return st
+
+    engine.new_state = keeping
+    try:
+        yield
+    finally:
+        engine.new_state = orig
+
+
+def cpu_rows(points=CPU_POINTS, device: str = "cpu", ranks: int = 2) -> list[dict]:
     from longstraw_mcore.launch_local import run_ranks
 
-    per_rank = run_ranks(_cpu_worker, 2, points, timeout_s=1200)
+    per_rank = run_ranks(_cpu_worker, ranks, points, device, timeout_s=1200)
     rows = []
     for i, row in enumerate(per_rank[0]):
         row = dict(row, measured_bytes=max(r[i]["measured_bytes"] for r in per_rank))
@@ -121,24 +195,31 @@ def h200_rows(path: str = H200) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| point | where | P | R | G | planned MiB | measured MiB | planned / measured |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| point | where | P | R | G | planned MiB | measured MiB | planned / measured | host: planned / measured MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        host = (f"{r['planned_host_bytes'] / 2**20:,.2f} / {r['measured_host_bytes'] / 2**20:,.2f}"
+                if r.get("measured_host_bytes") else "")
         lines.append(f"| {r['name']} | {r['where']} | {r['P']:,} | {r['R']} | {r['G']} | {r['planned_bytes'] / 2**20:,.1f} | "
-                     f"{r['measured_bytes'] / 2**20:,.1f} | {r['planned_bytes'] / r['measured_bytes']:.3f} |")
+                     f"{r['measured_bytes'] / 2**20:,.1f} | {r['planned_bytes'] / r['measured_bytes']:.3f} | {host} |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--points", default="cpu,h200", help="comma-separated: cpu, h200")
+    p.add_argument("--points", default="cpu,h200", help="comma-separated: cpu, h200, cuda (the memory-switch "
+                   "points measured on this machine's GPU, one rank)")
     p.add_argument("--out", default="plan_vs_measured.json")
     a = p.parse_args(argv)
     wanted = set(a.points.split(","))
-    if not wanted <= {"cpu", "h200"}:
-        p.error(f"--points {a.points!r}: choose from cpu, h200")
-    rows = (h200_rows() if "h200" in wanted else []) + (cpu_rows() if "cpu" in wanted else [])
+    if not wanted <= {"cpu", "h200", "cuda"}:
+        p.error(f"--points {a.points!r}: choose from cpu, h200, cuda")
+    rows = (h200_rows() if "h200" in wanted else []) + (cpu_rows() if "cpu" in wanted else []) + \
+        (cpu_rows(SWITCH_POINTS, "cuda", 1) if "cuda" in wanted else [])
     for r in rows:
         r["ratio"] = r["planned_bytes"] / r["measured_bytes"]
+        if r.get("measured_host_bytes"):
+            r["host_ratio"] = r["planned_host_bytes"] / r["measured_host_bytes"]
     print(table(rows))
     worst = max(abs(r["ratio"] - 1) for r in rows)
     print(f"{len(rows)} points; worst |planned / measured - 1| = {worst:.1%}")

@@ -1,10 +1,14 @@
-"""`longstraw plan`: per-rank memory by component and FLOPs / time by phase for a config, layout, P, R,
-G, mode and device; whether it fits and the largest P that does (planner/memory.py, planner/flops.py).
-No process group, no Megatron, no allocation: it runs anywhere in a second.
+"""`longstraw plan`: per-rank device memory by component, host memory per rank and per node, and FLOPs /
+time by phase for a config, layout, P, R, G, mode and device; whether it fits and the largest P that
+does (planner/memory.py, planner/timing.py). With --suggest, the fastest layout and memory switches that
+fit (planner/suggest.py) and the overrides that run it. No process group, no Megatron, no allocation.
 
   longstraw plan --config CFG --prompt-len P --group-size G --response-len R --gpus N
-      [--device H20-96GB | H100-80GB | H200-141GB] [--device-gib X] [--efficiency F] [--json] [--png FILE]
-      [key=value ...]
+      [--device H20-96GB | H20-141GB | H100-80GB | H200-141GB] [--device-gib X] [--host-gib X]
+      [--gpus-per-node N] [--efficiency F] [--suggest] [--json] [--png FILE] [key=value ...]
+
+Nothing fits with --suggest: the closest plan and what it misses on stderr, exit status 2 (with --json
+the closest plan is printed as well).
 """
 
 from __future__ import annotations
@@ -15,39 +19,52 @@ from longstraw_mcore.commands.common import load_run_config
 from longstraw_mcore.config import ConfigError
 from longstraw_mcore.families import get_family
 
+GIB = 2**30
 
-def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float | None, efficiency: float) -> dict:
-    """The plan as the `--json` schema (ARCHITECTURE.md section 5) plus the inputs and time per phase."""
-    from longstraw_mcore.planner.memory import device_profile, max_prompt_len, phase_bytes, plan_memory
+
+def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float | None, efficiency: float,
+         host_gib: float | None = None, gpus_per_node: int | None = None) -> dict:
+    """The plan as the `--json` schema (ARCHITECTURE.md section 5) plus the host side, the inputs and
+    time per phase (`host_gib`: host memory per node, default planner/memory.HOST_GIB)."""
+    from longstraw_mcore.planner.memory import (GPUS_PER_NODE, HOST_GIB, device_profile, max_prompt_len, node_ranks,
+                                                phase_bytes, plan_both)
+    from longstraw_mcore.planner.timing import plan_time
 
     if not isinstance(gpus, int) or gpus < 1:
         raise ConfigError(f"--gpus {gpus!r}: must be a positive integer")
     if not 0 < efficiency <= 1:
         raise ConfigError(f"--efficiency {efficiency}: must be in (0, 1] (the fraction of the bf16 peak reached)")
+    host_gib = HOST_GIB if host_gib is None else host_gib
+    if not host_gib > 0:
+        raise ConfigError(f"--host-gib {host_gib}: must be > 0 (host memory per node, GiB)")
+    per_node = node_ranks(gpus, GPUS_PER_NODE if gpus_per_node is None else gpus_per_node)
     dev = device_profile(device, device_gib)
+    host_limit = int(host_gib * GIB)
     family = get_family(cfg.model.family)
-    per = plan_memory(family, cfg, P, R, G, gpus, cuda=True)  # the device profiles are GPUs
-    total = sum(per.values())
+    per, host = plan_both(family, cfg, P, R, G, gpus, cuda=True)  # the device profiles are GPUs
+    total, host_total = sum(per.values()), sum(host.values())
+    p, mem = cfg.parallel, cfg.memory
     out = {"per_rank_bytes": per, "total_per_rank_bytes": total, "device_bytes": dev.memory_bytes,
-           "fits": total <= dev.memory_bytes,
-           "max_prompt_len": max_prompt_len(family, cfg, R, G, gpus, dev.memory_bytes, cuda=True),
-           "flops": None, "seconds": None,
+           "host_per_rank_bytes": host, "total_host_per_rank_bytes": host_total,
+           "host_per_node_bytes": host_total * per_node, "host_bytes_per_node": host_limit,
+           "fits_device": total <= dev.memory_bytes, "fits_host": host_total * per_node <= host_limit,
+           "max_prompt_len": max_prompt_len(family, cfg, R, G, gpus, dev.memory_bytes, cuda=True,
+                                            host_bytes_per_node=host_limit, gpus_per_node=per_node),
            "activations_by_phase_last_stage": phase_bytes(family, cfg, P, R, G, _last_stage(cfg), True),
            "inputs": {"family": cfg.model.family, "prompt_len": P, "response_len": R, "group_size": G, "gpus": gpus,
-                      "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "cp": cfg.parallel.cp,
-                                 "ep": cfg.parallel.ep, "dp": cfg.parallel.dp_for(gpus)},
-                      "mode": cfg.replay.mode, "device": dev.name, "efficiency": efficiency}}
-    from longstraw_mcore.planner.flops import step_flops
-
-    p = cfg.parallel
-    # per rank: the layer records count one TP rank (the largest); pp splits every phase; capture and the
-    # prompt backward are split over cp too (each CP rank its share of the prompt), branches run whole on
-    # every CP rank
-    phases = step_flops(family.layers, cfg.model, P, [R] * G, cfg.replay.mode, cfg.replay.chunk_len,
-                        p.tp)["algorithm"]
-    split = {ph: p.pp * (p.cp if ph != "replay" else 1) for ph in phases if ph != "total"}
-    out["flops"] = {ph: phases[ph] / split[ph] for ph in split}
-    out["seconds"] = {ph: f / (dev.bf16_flops * efficiency) for ph, f in out["flops"].items()}
+                      "gpus_per_node": per_node,
+                      "layout": {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "dp": p.dp_for(gpus)},
+                      "mode": cfg.replay.mode, "device": dev.name, "efficiency": efficiency,
+                      "memory": {"recompute": mem.recompute, "state_offload": mem.state_offload,
+                                 "state_dtype": mem.state_dtype, "optimizer_offload": mem.optimizer_offload,
+                                 "mla_query_block": mem.mla_query_block},
+                      "grad_reduction": cfg.train.grad_reduction, "adapter_rank": cfg.adapter.rank}}
+    out["fits"] = out["fits_device"] and out["fits_host"]
+    # time: a model (planner/timing.py): FLOPs at `efficiency` of the bf16 peak, transfers and the CPU
+    # optimizer at constant rates, no communication
+    out.update(plan_time(family, cfg, P, R, G, gpus, dev.bf16_flops, efficiency, host))
+    out["time_model"] = ("an estimate, not a measurement: FLOPs at the given fraction of the bf16 peak, PCIe and CPU "
+                         "Adam at constant rates, nothing overlapped, no communication (planner/timing.py)")
     return out
 
 
@@ -57,18 +74,66 @@ def _last_stage(cfg) -> range:
 
 
 def table(res: dict) -> str:
-    gib = 2**30
     i = res["inputs"]
     lines = [f"plan: {i['family']}, P={i['prompt_len']:,} R={i['response_len']} G={i['group_size']}, {i['mode']} mode, "
-             f"layout {i['layout']} on {i['gpus']} x {i['device']}",
-             "| component | GiB per rank |", "|---|---|"]
-    lines += [f"| {k} | {v / gib:.2f} |" for k, v in res["per_rank_bytes"].items()]
-    lines.append(f"| **total** | **{res['total_per_rank_bytes'] / gib:.2f}** of {res['device_bytes'] / gib:.2f} |")
-    lines.append(f"fits: {'yes' if res['fits'] else 'NO'}; largest prompt that fits: {res['max_prompt_len']:,} tokens")
-    lines.append("| phase | TFLOP per rank | seconds at {:.0%} of the bf16 peak |".format(i["efficiency"]))
+             f"layout {i['layout']} on {i['gpus']} x {i['device']}, memory {i['memory']}, "
+             f"grad_reduction={i['grad_reduction']}",
+             "| component | device GiB per rank | host GiB per rank |", "|---|---|---|"]
+    host = res["host_per_rank_bytes"]
+    keys = list(res["per_rank_bytes"]) + [k for k in host if k not in res["per_rank_bytes"]]
+    lines += [f"| {k} | {res['per_rank_bytes'].get(k, 0) / GIB:.2f} | {host.get(k, 0) / GIB:.2f} |" for k in keys]
+    lines.append(f"| **total** | **{res['total_per_rank_bytes'] / GIB:.2f}** of {res['device_bytes'] / GIB:.2f} | "
+                 f"**{res['total_host_per_rank_bytes'] / GIB:.2f}** (per node of {i['gpus_per_node']}: "
+                 f"{res['host_per_node_bytes'] / GIB:.2f} of {res['host_bytes_per_node'] / GIB:.0f}) |")
+    verdict = "yes" if res["fits"] else "NO (" + ", ".join(
+        w for w, ok in (("device", res["fits_device"]), ("host", res["fits_host"])) if not ok) + ")"
+    lines.append(f"fits: {verdict}; largest prompt that fits: {res['max_prompt_len']:,} tokens")
+    lines.append("| term | TFLOP per rank | seconds (efficiency {:.0%} of the bf16 peak) |".format(i["efficiency"]))
     lines.append("|---|---|---|")
-    lines += [f"| {ph} | {f / 1e12:,.1f} | {res['seconds'][ph]:,.1f} |" for ph, f in res["flops"].items()]
+    for term, s in res["seconds"].items():
+        f = res["flops"].get(term)
+        lines.append(f"| {term} | {'' if f is None else f'{f / 1e12:,.1f}'} | {s:,.1f} |")
+    lines.append(f"seconds per prompt group (total / dp {i['layout']['dp']}): {res['seconds_per_group']:,.1f} "
+                 "(a model: planner/timing.py)")
     return "\n".join(lines)
+
+
+def _suggest(args, cfg) -> tuple[dict, int]:
+    """--suggest: the search, then the full plan of its choice. Returns (the JSON, exit status)."""
+    import sys
+
+    from longstraw_mcore.config import config_to_dict
+    from longstraw_mcore.planner.memory import GPUS_PER_NODE, HOST_GIB, device_profile
+    from longstraw_mcore.planner.suggest import describe, miss_line, suggest
+
+    if args.prompt_len < 1 or args.response_len < 1 or args.group_size < 1 or args.gpus < 1:
+        raise ConfigError(f"--prompt-len {args.prompt_len}, --response-len {args.response_len}, --group-size "
+                          f"{args.group_size}, --gpus {args.gpus}: each must be a positive integer")
+    dev = device_profile(args.device, args.device_gib)
+    host_gib = HOST_GIB if args.host_gib is None else args.host_gib
+    if not host_gib > 0:
+        raise ConfigError(f"--host-gib {host_gib}: must be > 0 (host memory per node, GiB)")
+    per_node = GPUS_PER_NODE if args.gpus_per_node is None else args.gpus_per_node
+    found = suggest(get_family(cfg.model.family), config_to_dict(cfg), args.prompt_len, args.response_len,
+                    args.group_size, args.gpus, dev, args.efficiency, int(host_gib * GIB), per_node)
+    c = found["best"]
+    res = plan(c.cfg, args.prompt_len, args.response_len, args.group_size, args.gpus, args.device, args.device_gib,
+               args.efficiency, host_gib, per_node)
+    res["suggest"] = {"overrides": c.overrides, "plan": dict(res), "fits": found["fits"],
+                      "layout_and_switches": describe(c, args.gpus), "plans_searched": found["searched"],
+                      "layouts": found["layouts"], "search_seconds": round(found["seconds"], 2),
+                      "misses_gib": {k: v / GIB for k, v in c.misses.items() if k != "host_per_rank"}}
+    if not found["fits"]:
+        if args.json:
+            print(json.dumps(res, indent=1))
+        raise ConfigError(miss_line(c, args.gpus, dev, int(host_gib * GIB), found["searched"]))
+    if not args.json:
+        print(f"suggest: {describe(c, args.gpus)} ({found['searched']} plans of {found['layouts']} layouts searched "
+              f"in {found['seconds']:.1f} s)\n"
+              f"  device {res['total_per_rank_bytes'] / GIB:.2f} GiB per rank, host "
+              f"{res['host_per_node_bytes'] / GIB:.2f} GiB per node, {res['seconds_per_group']:,.0f} s per prompt "
+              f"group (time model)\n  overrides: {' '.join(c.overrides)}", file=sys.stdout)
+    return res, 0
 
 
 def run(args) -> int:
@@ -79,8 +144,11 @@ def run(args) -> int:
         if not args.png.endswith(".png") or not os.path.isdir(folder):
             raise ConfigError(f"--png {args.png!r}: must name a .png file in an existing folder")
     cfg = load_run_config(args)
-    res = plan(cfg, args.prompt_len, args.response_len, args.group_size, args.gpus, args.device, args.device_gib,
-               args.efficiency)
+    if args.suggest:
+        res, _ = _suggest(args, cfg)
+    else:
+        res = plan(cfg, args.prompt_len, args.response_len, args.group_size, args.gpus, args.device, args.device_gib,
+                   args.efficiency, args.host_gib, args.gpus_per_node)
     if args.png:
         from longstraw_mcore.planner.chart import plan_chart
 

@@ -8,6 +8,7 @@ would be valid; each dataclass then checks its own values."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import fields
 from pathlib import Path
 from typing import get_type_hints
@@ -18,10 +19,17 @@ from longstraw_mcore.config.errors import ConfigError, check_choice
 from longstraw_mcore.config.run import MODEL_CONFIGS, ModelConfig, RunConfig
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(cls) -> dict:
+    """The dataclass's resolved field types (resolving string annotations costs more than the rest of a
+    load; `plan --suggest` loads thousands of candidate configs)."""
+    return get_type_hints(cls)
+
+
 def _dataclass_from_dict(cls, data: dict, where: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
-    hints = get_type_hints(cls)
+    hints = _hints(cls)
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(data) - set(known))
     if unknown:

@@ -50,7 +50,10 @@ def _wrap(layer, core) -> None:
     def forward(*args, **kwargs):
         carried = mixer.carried() if carries else None
         if core.memory.recompute == "layer" and torch.is_grad_enabled():
-            return checkpoint(run, carried, *args, use_reentrant=False, **kwargs)
+            # early_stop=False: torch's early stop ends the recompute at the last tensor it needs, but
+            # keeps what it recomputed until the whole backward ends (measured on the tiny hybrid: a
+            # branch's backward peak grew by 0.73 MiB per layer, 6.2 MiB at 8 layers; 2.0 MiB without it)
+            return checkpoint(run, carried, *args, use_reentrant=False, early_stop=False, **kwargs)
         return run(carried, *args, **kwargs)
 
     layer.forward = forward

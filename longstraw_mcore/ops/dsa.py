@@ -117,7 +117,7 @@ def by_query_blocks(fn, block: int, per_query: tuple, shared: tuple):
     parts = []
     for s in range(0, T, block):
         piece = tuple(x[:, s:s + block] for x in per_query)
-        parts.append(checkpoint(fn, *piece, *shared, use_reentrant=False) if torch.is_grad_enabled()
+        parts.append(checkpoint(fn, *piece, *shared, use_reentrant=False, early_stop=False) if torch.is_grad_enabled()
                      else fn(*piece, *shared))
     if isinstance(parts[0], tuple):
         return tuple(torch.cat(xs, 1) for xs in zip(*parts))

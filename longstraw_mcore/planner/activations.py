@@ -22,7 +22,9 @@ bf16/fp32 models, float64 for float64), Hd hidden, local heads (/tp) throughout.
                      full-size copy per layer, see prompt_state/mla.py); per query the k selected
                      latents and RoPE keys; q in latent space, the rotated q, the validity mask, the
                      softmax in s and its cast, the latent-space output, the output projection's input
-                     (the indexer runs without autograd)
+                     (the indexer runs without autograd). memory.mla_query_block = B > 0: the
+                     per-query top-k terms (indices, selected latents, mask, softmax) for min(T, B)
+                     queries only (one block at a time, recomputed in its backward: ops/dsa.py)
     MoE (GLM)        the shared experts as a SwiGLU each; the router's logits, scores and top-k; the
                      permuted tokens (top-k copies) and each expert's SwiGLU on its tokens
 """
@@ -80,20 +82,35 @@ def attention_bytes(m, tp: int, T: int, keys: int = 0) -> int:
     return b
 
 
-def mla_bytes(m, tp: int, T: int, keys: int) -> int:
-    """T tokens through one MLA + DSA mixer that sees `keys` latents (this rank's prompt rows + its own)."""
+def mla_bytes(m, tp: int, T: int, keys: int, query_block: int = 0) -> int:
+    """T tokens through one MLA + DSA mixer that sees `keys` latents (this rank's prompt rows + its own).
+    `query_block` B > 0 (memory.mla_query_block): the queries run in blocks of B, each recomputed in its
+    backward, so the terms that scale with top-k (indices, selected latents, mask, softmax) are kept
+    for Tq = min(T, B) queries only."""
     e, w = _elem(m.dtype), max(4, _elem(m.dtype))
     h, R, Dr, Dn, Dv, ql = (m.num_attention_heads // tp, m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim,
                             m.v_head_dim, m.q_lora_rank)
     k = min(m.index_topk, keys)
+    Tq = min(T, query_block) if query_block > 0 else T
     b = T * m.hidden_size * e + T * (R * (w + e) + w) + T * (ql * (w + e) + w) + T * ql * e   # x, norms, q_b input
-    b += 2 * T * Dr * e + T * h * (Dn + Dr) * e + T * k * 8                                  # RoPE, q, indices
-    b += keys * (R + Dr) * e + T * k * (R + Dr) * e                                          # visible, selected
-    b += 2 * T * h * R * e + T * h * Dr * e + T * k + T * h * k * (w + e) + T * h * Dv * e   # attention
+    b += 2 * T * Dr * e + T * h * (Dn + Dr) * e + Tq * k * 8                                 # RoPE, q, indices
+    b += keys * (R + Dr) * e + Tq * k * (R + Dr) * e                                         # visible, selected
+    b += 2 * T * h * R * e + T * h * Dr * e + Tq * k + Tq * h * k * (w + e) + T * h * Dv * e  # attention
     return b
 
 
-def index_bytes(m, T: int, keys: int) -> int:
+def attention_scratch_bytes(m, T: int, keys: int, tp: int = 1) -> int:
+    """A capture chunk's block of attention scores (no autograd; ops/block_attention.py): for one
+    (query block, key block) pair the scores and one temporary of their size (the masked or shifted
+    copy, then the exp), each [local heads, min(T, block), min(keys, block)] in >= float32; `keys`: the
+    positions this rank captures (measured: at a 1,199-token chunk of the tiny config these blocks are
+    about two thirds of the capture's peak, and the peak holds 2.2 of them)."""
+    w = max(4, _elem(m.dtype))
+    b = m.attention_block
+    return 2 * (m.num_attention_heads // tp) * min(T, b) * min(keys, b) * w
+
+
+def index_bytes(m, T: int, keys: int, tp: int = 1) -> int:
     """The DSA indexer's transient for T queries over `keys` (no autograd; one key block at a time with
     the running best k): the per-head scores and their ReLU over a block plus the best k, and their
     weighted sum."""
@@ -111,9 +128,11 @@ def moe_bytes(m, T: int) -> int:
     return b
 
 
-def hybrid_layer_bytes(mixer_bytes, m, tp: int, T: int, layer: int, keys: int = 0, produce_only: bool = False) -> int:
+def hybrid_layer_bytes(mixer_bytes, m, tp: int, T: int, layer: int, keys: int = 0, produce_only: bool = False,
+                       query_block: int = 0) -> int:
     """A Qwen layer: its mixer (`mixer_bytes`: gdn_bytes or attention_bytes), the SwiGLU MLP, two
-    zero-centred norms; `produce_only`: input norm and mixer (see `layer_bytes`)."""
+    zero-centred norms; `produce_only`: input norm and mixer (see `layer_bytes`). `query_block` is MLA's
+    (no term here)."""
     e = _elem(m.dtype)
     mix, norm = mixer_bytes(m, tp, T, keys), T * zero_centred_norm_bytes(m.hidden_size, e)
     if produce_only:
@@ -121,11 +140,13 @@ def hybrid_layer_bytes(mixer_bytes, m, tp: int, T: int, layer: int, keys: int = 
     return mix + T * mlp_bytes(m.hidden_size, m.intermediate_size // tp, e) + 2 * norm
 
 
-def glm_layer_bytes(m, tp: int, T: int, layer: int, keys: int = 0, produce_only: bool = False) -> int:
-    """A GLM layer: MLA + DSA over `keys` latents, the dense SwiGLU or the MoE block (its tokens split by
-    sequence over TP), two RMSNorms; `produce_only`: input norm and mixer (see `layer_bytes`)."""
+def glm_layer_bytes(m, tp: int, T: int, layer: int, keys: int = 0, produce_only: bool = False,
+                    query_block: int = 0) -> int:
+    """A GLM layer: MLA + DSA over `keys` latents (queries in blocks of `query_block`: see `mla_bytes`),
+    the dense SwiGLU or the MoE block (its tokens split by sequence over TP), two RMSNorms;
+    `produce_only`: input norm and mixer (see `layer_bytes`)."""
     e = _elem(m.dtype)
-    mix, norm = mla_bytes(m, tp, T, max(keys, T)), T * rms_norm_bytes(m.hidden_size, e)
+    mix, norm = mla_bytes(m, tp, T, max(keys, T), query_block), T * rms_norm_bytes(m.hidden_size, e)
     if produce_only:
         return mix + norm
     if m.mlp_types[layer] == "moe":
@@ -135,9 +156,18 @@ def glm_layer_bytes(m, tp: int, T: int, layer: int, keys: int = 0, produce_only:
     return mix + mlp + 2 * norm
 
 
-def layer_bytes(layers: dict, m, tp: int, T: int, layer: int, keys: int = 0, produce_only: bool = False) -> int:
+def layer_bytes(layers: dict, m, tp: int, T: int, layer: int, keys: int = 0, produce_only: bool = False,
+                query_block: int = 0) -> int:
     """T tokens through layer `layer` (global index), by its family's record (`layers`: {layer type:
     LayerKind}): mixer, MLP, both norms. `keys`: the latents an MLA layer sees (this rank's prompt rows +
     T). `produce_only`: the layer runs only as far as its state (exact mode's recompute of the model's
-    last layer): its input norm and mixer, an upper bound."""
-    return layers[m.layer_types[layer]].activation_bytes(m, tp, T, layer, keys, produce_only)
+    last layer): its input norm and mixer, an upper bound. `query_block` (memory.mla_query_block, > 0)
+    is handed to the record only when set, so a record without the keyword keeps working."""
+    return kind_bytes(layers[m.layer_types[layer]], m, tp, T, layer, keys, produce_only, query_block)
+
+
+def kind_bytes(kind, m, tp: int, T: int, layer: int, keys: int = 0, produce_only: bool = False,
+               query_block: int = 0) -> int:
+    """`layer_bytes` for a layer whose record (`kind`) the caller already holds."""
+    kw = {"query_block": query_block} if query_block > 0 else {}
+    return kind.activation_bytes(m, tp, T, layer, keys, produce_only, **kw)

@@ -81,6 +81,24 @@ def _layers(layers: dict, m):
     return [(i, layers[t].flops) for i, t in enumerate(m.layer_types)]
 
 
+def branch_flops(layers: dict, m, P: int, lengths: list[int], exact: bool, tp: int = 1, store_probs: bool = False,
+                 kind: str = "algorithm") -> float:
+    """The replay phase: every branch forward and backward against P - 1 captured positions, the output
+    layer on every branch token: its forward, and in the backward dX and dW, plus (algorithm) the
+    log-prob chunk's recompute."""
+    Pc, per = P - 1, _layers(layers, m)
+    head_units = 3 if kind == "algorithm" else 2
+    return sum(sum(f.replay(m, tp, i, R, Pc, exact, store_probs, kind) for i, f in per)
+               + (1 + head_units) * _head(m, tp, R) for R in lengths)
+
+
+def forward_flops(layers: dict, m, P: int, lengths: list[int], tp: int = 1) -> float:
+    """The branches' forward through the decoder layers only (visible pairs, the conventional count's
+    forward): what memory.recompute=layer runs a second time in the backward."""
+    Pc, per = P - 1, _layers(layers, m)
+    return float(sum(f.forward(m, tp, i, R, Pc) for R in lengths for i, f in per))
+
+
 def step_flops(layers: dict, m, P: int, lengths: list[int], mode: str, chunk_len: int, tp: int = 1,
                store_probs: bool = False) -> dict:
     """{"algorithm": {phase: flops}, "minimum": {phase: flops}, "model_3x": {...}} for one group step of
@@ -95,11 +113,7 @@ def step_flops(layers: dict, m, P: int, lengths: list[int], mode: str, chunk_len
     out = {}
     for kind in ("algorithm", "minimum"):
         ph = {"capture": sum(f.capture(m, tp, i, chunks, kind) for i, f in per)}
-        # branches: forward + backward, the output layer on every branch token: its forward, and in the
-        # backward dX and dW, plus (algorithm) the log-prob chunk's recompute
-        head_units = 3 if kind == "algorithm" else 2
-        ph["replay"] = sum(sum(f.replay(m, tp, i, R, Pc, exact, store_probs, kind) for i, f in per)
-                           + (1 + head_units) * _head(m, tp, R) for R in lengths)
+        ph["replay"] = branch_flops(layers, m, P, lengths, exact, tp, store_probs, kind)
         if exact:
             last = len(per) - 1
             ph["prompt_backward"] = sum(f.recompute(m, tp, i, s, e, i == last, kind) for s, e in chunks

@@ -1,10 +1,14 @@
 """Per-rank memory of a branch-replay step, by component, from the config alone (no Megatron, no torch
 allocation): what `longstraw plan` prints and `train` / `validate` check before they allocate. What
 differs by family comes from the family record the caller hands in (`family`: its checkpoint table's
-tensor shapes, its per-layer-type records: prompt_state/kinds.py).
+tensor shapes, its per-layer-type records: prompt_state/kinds.py). Two sides: `plan_memory` gives a
+rank's device bytes, `plan_host` its host bytes (what the `memory` section's switches put in host
+memory: config/memory.py); `plan_both` both.
 
 Legend: P prompt tokens (P - 1 captured), R response tokens of the longest branch, G branches, tp / pp /
-cp / ep / dp the layout, e the model dtype's bytes. Per rank (the largest pipeline stage and TP rank):
+cp / ep / dp the layout, e the model dtype's bytes, n this rank's trainable parameters, shards = dp x cp
+(the distributed optimizer and micro_step shard over them). Device, per rank (the largest pipeline
+stage and TP rank):
 
     weights          this rank's parameters x e. Every checkpoint tensor of the family's mapping table
                      (its Hugging Face shape): matrices split over tp (experts over ep), vectors
@@ -12,23 +16,42 @@ cp / ep / dp the layout, e the model dtype's bytes. Per rank (the largest pipeli
     gradients        train.grad_reduction=step: Megatron DDP's buffer, one value per parameter (float32
                      below float32 models: grad_reduce_in_fp32); micro_step: the float32 shards,
                      1/(dp cp) of it, plus one micro-step's gradients in the model dtype before they are
-                     reduce-scattered
+                     reduce-scattered (unchanged by memory.optimizer_offload)
     optimizer        Adam's two moments in float32, and a float32 master copy below float32 models;
-                     sharded over dp x cp with the distributed optimizer or micro_step
+                     sharded over dp x cp with the distributed optimizer or micro_step; 0 on the device
+                     with memory.optimizer_offload (then on the host, below)
     (adapters)       with adapter.rank > 0 the three above count the adapter parameters only
                      (planner/adapters.py), and the weights add the frozen base, its projections at
-                     adapter.base_dtype (NF4 0.516, FP8 1.031 bytes per weight)
+                     adapter.base_dtype (NF4 0.516, FP8 1.031 bytes per weight): no base gradient
     prompt_state     the state kinds' own formulas (prompt_state/*.py analytic_bytes) for the stage's
-                     layers, at this rank's share of the positions (1/cp; GLM's latent also 1/tp)
-    prompt_state_grad exact mode: the state gradient accumulators (analytic_grad_bytes)
+                     layers, at this rank's share of the positions (1/cp; GLM's latent also 1/tp).
+                     memory.state_dtype=fp8: the position-sized categories (attention K/V, MLA latents)
+                     as fp8 blocks, fp8_nbytes(rows, v) per tensor; memory.state_offload: those
+                     categories on the host instead (planner/state.py); Gated DeltaNet's state stays
+    prompt_state_grad exact mode: the state gradient accumulators (analytic_grad_bytes); with
+                     memory.state_offload the position-sized kinds' on the host (GDN's stay)
     activations      the worst phase of the step (phase_bytes): a branch's saved tensors through the
                      stage's layers (planner/activations.py, derived from the code op by op) plus the
                      log-prob chunk's logits and the output layer's weight gradient; or, in exact
-                     mode, one capture chunk's saved tensors in the prompt backward
+                     mode, one capture chunk's saved tensors in the prompt backward.
+                     memory.recompute=layer: each layer keeps only its input [T, hidden] x e, and one
+                     layer at a time is recomputed in the backward. memory.state_offload or fp8 state
+                     (both stage the state): one layer's position-sized state in the model dtype, in
+                     every phase. memory.mla_query_block: GLM's top-k terms for one query block
     comm_buffers     CUDA: NCCL's communicator buffers (an estimate, 256 MiB per rank); gloo: none
                      (Megatron DDP's buckets are views into the gradient buffer, counted above)
     allocator_slack  CUDA: 5% of everything else (the caching allocator's fragmentation); CPU: none
                      (tensors are freed to the system allocator)
+
+Host, per rank (pinned on CUDA; a node holds min(ranks, gpus per node) ranks, each counted as the
+largest; not counted: the process itself, the CUDA context, data loading, checkpoint I/O):
+
+    optimizer        memory.optimizer_offload: the optimizer term above (moments + float32 master copy)
+    optimizer_grads  memory.optimizer_offload: Megatron's HybridDeviceOptimizer keeps a float32 copy of
+                     this rank's gradient shard for the CPU update: n x 4 / shards with the distributed
+                     optimizer or micro_step, else n x 4
+    prompt_state     memory.state_offload: the position-sized categories (model dtype, or fp8 blocks)
+    prompt_state_grad memory.state_offload, exact mode: the position-sized kinds' gradients (float32)
 """
 
 from __future__ import annotations
@@ -41,6 +64,11 @@ from longstraw_mcore.planner.activations import _elem
 
 SLACK = 0.05
 NCCL_BYTES = 256 * 2**20
+HOST_GIB = 2048
+"""Default host memory per node (`longstraw plan --host-gib`): an 8-GPU H20 server's DDR (2 TiB:
+LongStraw's nodes)."""
+GPUS_PER_NODE = 8
+"""Default ranks per node (`--gpus-per-node`)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +81,7 @@ class DeviceProfile:
 
 DEVICE_PROFILES = {
     "H20-96GB": DeviceProfile("H20-96GB", 96 * 10**9, 148e12),
+    "H20-141GB": DeviceProfile("H20-141GB", 141 * 10**9, 148e12),
     "H100-80GB": DeviceProfile("H100-80GB", 80 * 10**9, 989e12),
     "H200-141GB": DeviceProfile("H200-141GB", 141 * 10**9, 989e12),
 }
@@ -67,6 +96,13 @@ def device_profile(name: str, memory_gib: float | None = None) -> DeviceProfile:
             raise ConfigError(f"--device-gib {memory_gib}: must be > 0")
         d = DeviceProfile(d.name, int(memory_gib * 2**30), d.bf16_flops)
     return d
+
+
+def node_ranks(world_size: int, gpus_per_node: int) -> int:
+    """Ranks on one node: a run smaller than a node fills only part of it."""
+    if not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node {gpus_per_node!r}: must be a positive integer")
+    return min(world_size, gpus_per_node)
 
 
 def _layer_of(name: str) -> int | None:
@@ -102,6 +138,38 @@ def rank_params(family, m, tp: int, ep: int, stage_layers: list[int], stage: int
     return n
 
 
+_WEIGHTS: dict[tuple, object] = {}
+"""Per-layout counts kept for a search (stage_weights, the largest dequantized projection)."""
+
+
+def stage_weights(family, cfg, stages: list[int], s: int) -> tuple[int, int]:
+    """(weight bytes, trainable parameters n) of one rank of stage `s`: every parameter at e, or with
+    adapters the frozen base (projections at adapter.base_dtype) and the adapters. Kept per (model,
+    adapter, tp, ep, stages): `plan --suggest` plans thousands of switch settings on a few layouts."""
+    m, p = cfg.model, cfg.parallel
+    key = (family.name, repr(m), repr(cfg.adapter), p.tp, p.ep, tuple(stages), s)
+    if key in _WEIGHTS:
+        return _WEIGHTS[key]
+    if len(_WEIGHTS) > 256:
+        _WEIGHTS.clear()
+    e = _elem(m.dtype)
+    first = sum(stages[:s])
+    layers = range(first, first + stages[s])
+    n = rank_params(family, m, p.tp, p.ep, stages, s)
+    weights = n * e
+    if cfg.adapter.enabled:  # only the adapters train; the base's projections at adapter.base_dtype
+        from longstraw_mcore.planner.adapters import BASE_BYTES, adapter_params, projection_params, sites_of
+
+        sites = sites_of(family, m)
+        proj = projection_params(sites, p.tp, p.ep, layers)
+        kind = cfg.adapter.base_dtype
+        base = (n - proj) * e + int(proj * (BASE_BYTES[kind] if kind in BASE_BYTES else e))
+        n = adapter_params(sites, cfg, p.tp, p.ep, layers, s == len(stages) - 1)
+        weights = base + n * e
+    _WEIGHTS[key] = (weights, n)
+    return weights, n
+
+
 def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: bool) -> dict:
     """{phase: bytes} that one rank of the stage holding global layers `stage` allocates on top of the
     parameters, gradients, optimizer and prompt state during each phase (its worst moment):
@@ -114,39 +182,60 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
                        recomputed the logits (model dtype), their float32 copy, the shifted values and
                        their exp; in the output layer's backward the logits' gradient and the weight
                        gradient before it is added to .grad / main_grad; exact mode adds one layer's
-                       state gradient before it is accumulated
+                       state gradient before it is accumulated.
+                       memory.recompute=layer: every layer's input [T, hidden] x e instead of its saved
+                       tensors, and a layer's backward holds its recomputed saved tensors as well as
+                       their gradients (2 x the widest layer's)
       prompt_backward  exact mode: every layer's saved tensors for one capture chunk (the last layer
                        only as far as its state) and one layer's state gradient (measured on H200 and
-                       CPU: the chunk's backward needs no more than its forward kept)
+                       CPU: the chunk's backward needs no more than its forward kept).
+                       memory.recompute=layer: every layer's chunk input [chunk, hidden] x e and one
+                       layer's saved tensors
+    Under pipeline parallelism the replay and the sweep run as one 1F1B schedule whose micro-batches
+    are the replay passes (G branches, or one batch) and, in exact mode, the chunks: stage s holds
+    min(pp - s, micro-batches) of them in flight (replay/pipeline.py), so what each keeps for its
+    backward (its saved tensors, or with recompute its layers' inputs) counts that many times.
+    Every phase adds, with state staging (memory.state_offload or state_dtype=fp8), the largest layer's
+    position-sized state in the model dtype (planner/state.py staging_bytes); memory.mla_query_block
+    shrinks GLM's per-query top-k terms (planner/activations.py mla_bytes).
     Token counts are this rank's: a chunk's 1/cp under context parallelism, branches whole."""
-    from longstraw_mcore.planner.activations import layer_bytes
+    from longstraw_mcore.planner.activations import kind_bytes
+    from longstraw_mcore.planner.state import staging_bytes
     from longstraw_mcore.prompt_state.containers import analytic_state_grad_bytes
 
-    m, p, rc, layers = cfg.model, cfg.parallel, cfg.replay, family.layers
+    m, p, rc, mem, layers = cfg.model, cfg.parallel, cfg.replay, cfg.memory, family.layers
     e, w = _elem(m.dtype), max(4, _elem(m.dtype))
     chunk = -(-min(rc.chunk_len, max(P - 1, 1)) // p.cp)
     captured = -(-(P - 1) // p.cp)
     exact = rc.mode == "exact"
-    types = sorted({m.layer_types[i] for i in stage})
+    recompute = mem.recompute == "layer"
+    qb = mem.mla_query_block
+    lt = m.layer_types  # (a property that builds the list)
+    types = sorted({lt[i] for i in stage})
     one_grad = max(analytic_state_grad_bytes(layers, m, p.tp, captured, [t]) for t in types) if exact else 0
     last = stage[-1] if last_stage else None
 
     def rows(i):  # the prompt positions layer i reads on this rank (MLA latents: striped over TP too)
-        return layers[m.layer_types[i]].state.rows(captured, p.tp)
+        return layers[lt[i]].state.rows(captured, p.tp)
 
-    def scratch(T):  # no-autograd scratch while a layer runs (MLA + DSA: the indexer's block of scores)
-        return max(layers[t].scratch_bytes(m, T, layers[t].state.rows(captured, p.tp)) for t in types)
+    def scratch(T):  # no-autograd scratch while a layer runs (attention's / the DSA indexer's block of scores)
+        return max(layers[t].scratch_bytes(m, T, layers[t].state.rows(captured, p.tp), p.tp) for t in types)
 
-    def saved(T, own, recompute=False):
-        return sum(layer_bytes(layers, m, p.tp, T, i, rows(i) + own, produce_only=recompute and i == last)
-                   for i in stage)
+    def one(T, own, i, produce_only=False):
+        return kind_bytes(layers[lt[i]], m, p.tp, T, i, rows(i) + own, produce_only=produce_only, query_block=qb)
+
+    def saved(T, own, sweep=False):  # sweep: the model's last layer runs only as far as its state
+        return sum(one(T, own, i, produce_only=sweep and i == last) for i in stage)
 
     def widest(T, own):  # a layer's backward: its saved tensors are alive and gradients of their size made
-        return max(layer_bytes(layers, m, p.tp, T, i, rows(i) + own) for i in stage)
+        return max(one(T, own, i) for i in stage)
+
+    def inputs(T):  # memory.recompute=layer: what each layer keeps for its backward
+        return len(stage) * T * m.hidden_size * e
 
     out = {"capture": widest(chunk, 0) + scratch(chunk)}
     T = R * (G if rc.batch_branches else 1)
-    top = widest(T, T)
+    top = widest(T, T) * (2 if recompute else 1)
     if last_stage:
         c = min(rc.logprob_chunk, R) * (G if rc.batch_branches else 1)
         vocab = m.padded_vocab_size(p.tp) // p.tp
@@ -156,73 +245,119 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
         # (no output-layer weight gradient when it is frozen: adapters that leave lm_head out)
         frozen = cfg.adapter.enabled and "lm_head" not in cfg.adapter.resolved_targets(m.projection_shapes())
         top = max(top, c * vocab * copies, c * vocab * e + (0 if frozen else vocab * m.hidden_size * e))
-        top += T * layers[m.layer_types[-1]].norm_bytes(m.hidden_size, e)  # the final norm: the layers' kind
+        top += T * layers[lt[-1]].norm_bytes(m.hidden_size, e)  # the final norm: the layers' kind
     if cfg.adapter.enabled and cfg.adapter.base_dtype in ("nf4", "fp8"):
         # a quantized projection's weight, dequantized for its product (forward and backward)
         from longstraw_mcore.planner.adapters import largest_projection, sites_of
 
-        deq = largest_projection(sites_of(family, m), p.tp, p.ep, stage) * e
+        key = ("deq", family.name, repr(m), p.tp, p.ep, stage.start, stage.stop)
+        if key not in _WEIGHTS:
+            _WEIGHTS[key] = largest_projection(sites_of(family, m), p.tp, p.ep, stage)
+        deq = _WEIGHTS[key] * e
         top += deq
         out["capture"] += deq
-    out["replay"] = saved(T, T) + top + one_grad
-    out["prompt_backward"] = saved(chunk, 0, recompute=True) + one_grad if exact else 0
+    flight = in_flight(cfg, P, G, stage)
+    out["replay"] = flight * (inputs(T) if recompute else saved(T, T)) + top + one_grad
+    if not exact:
+        out["prompt_backward"] = 0
+    elif recompute:
+        out["prompt_backward"] = flight * inputs(chunk) + max(one(chunk, 0, i, produce_only=i == last)
+                                                              for i in stage) + one_grad
+    else:
+        out["prompt_backward"] = flight * saved(chunk, 0, sweep=True) + one_grad
+    staging = staging_bytes(layers, m, mem, p.tp, captured, [lt[i] for i in stage], p.cp)
+    for ph in ("capture", "replay") + (("prompt_backward",) if exact else ()):
+        out[ph] += staging
     return out
 
 
-def plan_memory(family, cfg, P: int, R: int, G: int, world_size: int, cuda: bool | None = None,
-                grads: str = "train") -> dict:
-    """{component: bytes} for the largest rank of the run `cfg` (a RunConfig) on `world_size` ranks at
-    prompt P, response R, group size G (`cuda`: on GPUs; default: the config's device); bad input
-    raises ConfigError before anything is computed. `grads="plain"`: gradients as plain `.grad`
-    tensors in the model dtype (a model without DDP, as tools/bench_replay.py runs it)."""
-    from longstraw_mcore.prompt_state.containers import analytic_state_bytes, analytic_state_grad_bytes
+def in_flight(cfg, P: int, G: int, stage: range) -> int:
+    """Micro-batches the pipeline stage holding `stage` keeps for their backward at once under 1F1B:
+    min(pp - s, passes + exact chunks); 1 without pipeline parallelism."""
+    p, rc = cfg.parallel, cfg.replay
+    if p.pp == 1:
+        return 1
+    starts = [0]
+    for n in p.stage_layers(cfg.model.num_layers)[:-1]:
+        starts.append(starts[-1] + n)
+    s = starts.index(stage.start)
+    micro = (1 if rc.batch_branches else G) + (-(-(P - 1) // rc.chunk_len) if rc.mode == "exact" else 0)
+    return min(p.pp - s, micro)
 
+
+def _check_inputs(P, R, G) -> None:
     for name, v in (("prompt length", P), ("response length", R), ("group size", G)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(f"{name} {v!r}: must be a positive integer")
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+
+
+def stage_plan(family, cfg, P: int, R: int, G: int, world_size: int, s: int, on_cuda: bool,
+               grads: str = "train") -> tuple[dict, dict]:
+    """({component: device bytes}, {component: host bytes}) of one rank of pipeline stage `s` (the
+    module docstring's terms)."""
+    from longstraw_mcore.planner.state import grad_homes, state_homes
+
+    m, p, t, mem = cfg.model, cfg.parallel, cfg.train, cfg.memory
     dp = p.dp_for(world_size)
     stages = p.stage_layers(m.num_layers)
     e = _elem(m.dtype)
     captured = -(-(P - 1) // p.cp)
-    chunks = -(-(P - 1) // cfg.replay.chunk_len)
     exact = cfg.replay.mode == "exact"
+    chunks = -(-(P - 1) // cfg.replay.chunk_len)
     shards = dp * p.cp
-    on_cuda = cfg.resolved_device() == "cuda" if cuda is None else cuda
-    best = None
-    for s in range(p.pp):
-        first = sum(stages[:s])
-        layers = range(first, first + stages[s])
-        types = [m.layer_types[i] for i in layers]
-        n = rank_params(family, m, p.tp, p.ep, stages, s)
-        out = {"weights": n * e}
-        if cfg.adapter.enabled:  # only the adapters train; the base's projections at adapter.base_dtype
-            from longstraw_mcore.planner.adapters import BASE_BYTES, adapter_params, projection_params, sites_of
+    first = sum(stages[:s])
+    layers = range(first, first + stages[s])
+    types = [m.layer_types[i] for i in layers]
+    weights, n = stage_weights(family, cfg, stages, s)
+    out, host = {"weights": weights}, {}
+    sharded = t.distributed_optimizer or t.grad_reduction == "micro_step"
+    if grads == "plain":
+        out["gradients"] = n * e
+    elif t.grad_reduction == "micro_step":
+        out["gradients"] = -(-n * 4 // shards) + n * e
+    else:
+        out["gradients"] = n * (4 if m.dtype == "bfloat16" else e)
+    moments = n * 8 + (n * 4 if m.dtype == "bfloat16" else 0)
+    optimizer = -(-moments // shards) if sharded else moments
+    out["optimizer"] = 0 if mem.optimizer_offload else optimizer
+    host["optimizer"] = optimizer if mem.optimizer_offload else 0
+    host["optimizer_grads"] = (-(-n * 4 // shards) if sharded else n * 4) if mem.optimizer_offload else 0
+    out["prompt_state"], host["prompt_state"] = state_homes(family.layers, m, mem, p.tp, captured,
+                                                            chunks if exact else 0, types, p.cp)
+    out["prompt_state_grad"], host["prompt_state_grad"] = (grad_homes(family.layers, m, mem, p.tp, captured, types)
+                                                           if exact else (0, 0))
+    out["activations"] = max(phase_bytes(family, cfg, P, R, G, layers, s == p.pp - 1).values())
+    out["comm_buffers"] = NCCL_BYTES if on_cuda else 0
+    out["allocator_slack"] = int(SLACK * sum(out.values())) if on_cuda else 0
+    return out, host
 
-            sites = sites_of(family, m)
-            proj = projection_params(sites, p.tp, p.ep, layers)
-            kind = cfg.adapter.base_dtype
-            base = (n - proj) * e + int(proj * (BASE_BYTES[kind] if kind in BASE_BYTES else e))
-            n = adapter_params(sites, cfg, p.tp, p.ep, layers, s == p.pp - 1)
-            out["weights"] = base + n * e
-        if grads == "plain":
-            out["gradients"] = n * e
-        elif t.grad_reduction == "micro_step":
-            out["gradients"] = -(-n * 4 // shards) + n * e
-        else:
-            out["gradients"] = n * (4 if m.dtype == "bfloat16" else e)
-        moments = n * 8 + (n * 4 if m.dtype == "bfloat16" else 0)
-        out["optimizer"] = -(-moments // shards) if (t.distributed_optimizer or t.grad_reduction == "micro_step") \
-            else moments
-        out["prompt_state"] = sum(analytic_state_bytes(family.layers, m, p.tp, captured, chunks if exact else 0, 1,
-                                                       types, p.cp).values())
-        out["prompt_state_grad"] = analytic_state_grad_bytes(family.layers, m, p.tp, captured, types) if exact else 0
-        out["activations"] = max(phase_bytes(family, cfg, P, R, G, layers, s == p.pp - 1).values())
-        out["comm_buffers"] = NCCL_BYTES if on_cuda else 0
-        out["allocator_slack"] = int(SLACK * sum(out.values())) if on_cuda else 0
-        if best is None or sum(out.values()) > sum(best.values()):
-            best = out
-    return best
+
+def plan_both(family, cfg, P: int, R: int, G: int, world_size: int, cuda: bool | None = None,
+              grads: str = "train") -> tuple[dict, dict]:
+    """(device, host): the {component: bytes} of the rank with the most device bytes and of the rank
+    with the most host bytes (pipeline stages differ; TP ranks are counted as the largest)."""
+    _check_inputs(P, R, G)
+    on_cuda = cfg.resolved_device() == "cuda" if cuda is None else cuda
+    plans = [stage_plan(family, cfg, P, R, G, world_size, s, on_cuda, grads) for s in range(cfg.parallel.pp)]
+    device = max((d for d, _ in plans), key=lambda d: sum(d.values()))  # the first of equals: stage order
+    host = max((h for _, h in plans), key=lambda h: sum(h.values()))
+    return device, host
+
+
+def plan_memory(family, cfg, P: int, R: int, G: int, world_size: int, cuda: bool | None = None,
+                grads: str = "train") -> dict:
+    """{component: device bytes} for the largest rank of the run `cfg` (a RunConfig) on `world_size`
+    ranks at prompt P, response R, group size G (`cuda`: on GPUs; default: the config's device); bad
+    input raises ConfigError before anything is computed. `grads="plain"`: gradients as plain `.grad`
+    tensors in the model dtype (a model without DDP, as tools/bench_replay.py runs it)."""
+    return plan_both(family, cfg, P, R, G, world_size, cuda, grads)[0]
+
+
+def plan_host(family, cfg, P: int, R: int, G: int, world_size: int, cuda: bool | None = None,
+              grads: str = "train") -> dict:
+    """{component: host bytes} of the rank with the most host bytes (the module docstring's host side;
+    all 0 with every memory switch off). Per node: times node_ranks(world_size, gpus per node)."""
+    return plan_both(family, cfg, P, R, G, world_size, cuda, grads)[1]
 
 
 STEP_COMPONENTS = ("gradients", "prompt_state", "prompt_state_grad", "activations")
@@ -231,16 +366,37 @@ STEP_COMPONENTS = ("gradients", "prompt_state", "prompt_state_grad", "activation
 def step_peak_bytes(family, cfg, P: int, R: int, G: int, world_size: int, cuda: bool) -> int:
     """What a measured step peak above the parameters counts (tools/bench_replay.py, the H200 data,
     tools/plan_vs_measured.py): plain `.grad` tensors allocated in the step, the prompt state and its
-    gradient, the worst phase's activations, and (CUDA) the allocator slack on those."""
+    gradient, the worst phase's activations, and (CUDA) the allocator slack on those. Device bytes;
+    `step_host_bytes` is the host side."""
     per = plan_memory(family, cfg, P, R, G, world_size, cuda=False, grads="plain")
     return int(sum(per[k] for k in STEP_COMPONENTS) * (1 + (SLACK if cuda else 0)))
 
 
+def step_host_bytes(family, cfg, P: int, R: int, G: int, world_size: int) -> int:
+    """The host side of `step_peak_bytes`: the prompt state and its exact-mode gradient that
+    memory.state_offload keeps in host memory (a step builds no optimizer there)."""
+    host = plan_host(family, cfg, P, R, G, world_size, cuda=False, grads="plain")
+    return host["prompt_state"] + host["prompt_state_grad"]
+
+
+def fits_limits(family, cfg, P: int, R: int, G: int, world_size: int, device_bytes: int,
+                host_bytes_per_node: int | None = None, gpus_per_node: int = GPUS_PER_NODE,
+                cuda: bool | None = None) -> bool:
+    """Whether the plan fits `device_bytes` per rank and (when given) `host_bytes_per_node` per node."""
+    device, host = plan_both(family, cfg, P, R, G, world_size, cuda)
+    if sum(device.values()) > device_bytes:
+        return False
+    return host_bytes_per_node is None or sum(host.values()) * node_ranks(world_size, gpus_per_node) \
+        <= host_bytes_per_node
+
+
 def max_prompt_len(family, cfg, R: int, G: int, world_size: int, device_bytes: int, cuda: bool | None = None,
-                   limit: int = 1 << 34) -> int:
-    """The largest P whose plan fits `device_bytes` per rank (0 if none does)."""
+                   limit: int = 1 << 34, host_bytes_per_node: int | None = None,
+                   gpus_per_node: int = GPUS_PER_NODE) -> int:
+    """The largest P whose plan fits `device_bytes` per rank and, when given, `host_bytes_per_node` per
+    node (0 if none does). Both grow with P, so a doubling then a bisection finds it."""
     def fits(P):
-        return sum(plan_memory(family, cfg, P, R, G, world_size, cuda).values()) <= device_bytes
+        return fits_limits(family, cfg, P, R, G, world_size, device_bytes, host_bytes_per_node, gpus_per_node, cuda)
 
     if not fits(2):
         return 0

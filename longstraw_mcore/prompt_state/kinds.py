@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 
-def _none(m, T: int, keys: int) -> int:
+def _none(m, T: int, keys: int, tp: int = 1) -> int:
     return 0
 
 
@@ -29,4 +29,5 @@ class LayerKind:
     flops: object
     """Its FLOP counts per phase (planner/flops.py's `LayerFlops` interface)."""
     scratch_bytes: Callable = _none
-    """(m, T, keys) -> no-autograd scratch while it runs (the DSA indexer's block of scores)."""
+    """(m, T, keys, tp) -> no-autograd scratch while it runs in capture (attention's block of scores, the
+    DSA indexer's)."""

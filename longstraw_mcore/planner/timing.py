@@ -1,0 +1,146 @@
+"""The time model of `longstraw plan`: seconds per rank of one group step (each data-parallel rank runs
+its own prompt group), from the FLOP model (planner/flops.py) and the memory plan's host bytes
+(planner/memory.py). It is a model, not a measurement: compute at a fixed fraction of the bf16 peak
+(`--efficiency`), host-device copies and the CPU optimizer at the constant rates below, nothing
+overlapped (an upper bound where the runtime overlaps), no communication.
+
+Per rank, with F a phase's FLOPs on one TP rank (step_flops' algorithm count), peak = the device's bf16
+FLOP/s x efficiency, n the capture chunks, passes = G replayed branches (1 with replay.batch_branches),
+P_local = ceil((P - 1) / cp) + 1:
+
+    capture          F_capture(P) / (pp cp) / peak x bubble(n)
+    replay           F_replay(P_local) / pp / peak x bubble(passes): every CP rank replays the branches
+                     whole against its shard of the prompt (partial attention merged by log-sum-exp)
+    prompt_backward  exact mode: F_sweep(P) / (pp cp) / peak x bubble(n)
+    recompute        memory.recompute=layer: the branches' layers run forward again in the backward,
+                     F_forward(P_local) / pp x bubble(passes) (forward_flops), and in exact mode every
+                     chunk's too, F_capture(P) / (pp cp) x bubble(n) (its forward), all / peak
+    state_transfer   memory.state_offload: bytes over PCIe / PCIE_BYTES_PER_S, with S this rank's
+                     host-resident state (as stored: model dtype or fp8) and Sg its host-resident
+                     state gradient (exact mode):
+                       capture          (n + 1) / 2 x S: chunk c reads every layer's rows so far
+                       replay           passes x (2 S + Sg): each layer's state for its forward and its
+                                        recompute; exact: its gradient to the host
+                       prompt_backward  (n - 1) x S + (n + 1) / 2 x Sg: chunk c reads the rows before it
+                                        twice (forward, recompute), adds their gradient, reads its seed
+    optimizer_offload memory.optimizer_offload: the float32 gradient shard to the host (Gh / PCIe), the
+                     CPU Adam over the shard's state and gradient ((O + Gh) / CPU_ADAM_BYTES_PER_S), the
+                     updated parameters back (Gh / 4 x e / PCIe); O, Gh: the plan's host optimizer and
+                     optimizer_grads
+    bubble(k)        (k + pp - 1) / k: 1F1B's fill and drain for k micro-batches through pp stages
+
+total = their sum; per group = total / dp. Not modelled: TP / CP / EP collectives and data-parallel
+reductions (so micro_step costs nothing here), fp8 dequantization (on the device, memory-bound), the
+query blocks' recompute of GLM's sparse attention (memory.mla_query_block), the device optimizer step,
+and host-memory bandwidth shared by a node's ranks beyond the per-rank constants.
+"""
+
+from __future__ import annotations
+
+from longstraw_mcore.planner.activations import _elem
+
+PCIE_BYTES_PER_S = 25e9
+"""Host <-> device per GPU, effective. H20 sits on PCIe Gen5 x16 (64 GB/s per direction nominal, ~50 GB/s
+for one GPU's pinned copies alone); a node's 8 GPUs share two sockets' root complexes and DDR, so about
+half of that each when all copy at once."""
+CPU_ADAM_BYTES_PER_S = 10e9
+"""Optimizer bytes (float32 master, moments, gradient copy) a CPU Adam update streams per second per
+rank: a 2-socket DDR5 node's ~300-600 GB/s shared by 8 ranks' optimizer threads, with Adam's several
+passes per element (read parameter, gradient and moments; write parameter and moments)."""
+
+_FLOPS: dict[tuple, object] = {}
+
+
+def _kept(key: tuple, compute):
+    """FLOP counts kept per (model, what they depend on): a search plans many layouts and switch
+    settings of one model, and the counts sum every chunk (or block) of every layer."""
+    if key not in _FLOPS:
+        if len(_FLOPS) > 512:
+            _FLOPS.clear()
+        _FLOPS[key] = compute()
+    return _FLOPS[key]
+
+
+def _step(family, m, P: int, lengths: list[int], mode: str, chunk_len: int, tp: int) -> dict:
+    """step_flops' algorithm count."""
+    from longstraw_mcore.planner.flops import step_flops
+
+    return _kept(("step", family.name, repr(m), P, tuple(lengths), mode, chunk_len, tp),
+                 lambda: step_flops(family.layers, m, P, lengths, mode, chunk_len, tp)["algorithm"])
+
+
+def _branches(family, m, P: int, lengths: list[int], exact: bool, tp: int) -> tuple[float, float]:
+    """(branch_flops, forward_flops) against P - 1 captured positions."""
+    from longstraw_mcore.planner.flops import branch_flops, forward_flops
+
+    return _kept(("branches", family.name, repr(m), P, tuple(lengths), exact, tp),
+                 lambda: (branch_flops(family.layers, m, P, lengths, exact, tp),
+                          forward_flops(family.layers, m, P, lengths, tp)))
+
+
+def bubble(k: int, pp: int) -> float:
+    """1F1B's fill and drain: k micro-batches through pp stages take (k + pp - 1) / k of their work."""
+    return (k + pp - 1) / k if k > 0 else 1.0
+
+
+def phase_flops(family, cfg, P: int, R: int, G: int) -> dict:
+    """{phase: FLOPs per rank}: capture, replay, prompt_backward (exact mode) and, with
+    memory.recompute=layer, recompute (the second forward)."""
+    m, p, rc = cfg.model, cfg.parallel, cfg.replay
+    exact = rc.mode == "exact"
+    full = _step(family, m, P, [R] * G, rc.mode, rc.chunk_len, p.tp)
+    replay, forward = _branches(family, m, -(-(P - 1) // p.cp) + 1, [R] * G, exact, p.tp)
+    out = {"capture": full["capture"] / (p.pp * p.cp), "replay": replay / p.pp}
+    if exact:
+        out["prompt_backward"] = full["prompt_backward"] / (p.pp * p.cp)
+    if cfg.memory.recompute == "layer":
+        out["recompute"] = forward / p.pp + (out["capture"] if exact else 0.0)
+    return out
+
+
+def transfer_bytes(cfg, P: int, G: int, host: dict) -> dict:
+    """{phase: host <-> device bytes per rank} of memory.state_offload (the module docstring's terms)."""
+    if not cfg.memory.state_offload:
+        return {}
+    n = -(-(P - 1) // cfg.replay.chunk_len)
+    passes = 1 if cfg.replay.batch_branches else G
+    S, Sg = host["prompt_state"], host["prompt_state_grad"]
+    out = {"capture": (n + 1) / 2 * S, "replay": passes * (2 * S + Sg)}
+    if cfg.replay.mode == "exact":
+        out["prompt_backward"] = (n - 1) * S + (n + 1) / 2 * Sg
+    return out
+
+
+def optimizer_offload_seconds(cfg, host: dict) -> float:
+    """memory.optimizer_offload: gradient shard down, CPU Adam, parameters up (the module docstring)."""
+    if not cfg.memory.optimizer_offload:
+        return 0.0
+    O, Gh = host["optimizer"], host["optimizer_grads"]
+    params = Gh / 4 * _elem(cfg.model.dtype)
+    return (Gh + params) / PCIE_BYTES_PER_S + (O + Gh) / CPU_ADAM_BYTES_PER_S
+
+
+def plan_time(family, cfg, P: int, R: int, G: int, world_size: int, flops_per_s: float, efficiency: float,
+              host: dict) -> dict:
+    """{"flops": {phase: per rank}, "seconds": {term: s, ..., "total": s}, "seconds_per_group": s} of
+    one group step (`flops_per_s`: the device's bf16 peak; `host`: plan_host's components)."""
+    p = cfg.parallel
+    peak = flops_per_s * efficiency
+    n = -(-(P - 1) // cfg.replay.chunk_len)
+    passes = 1 if cfg.replay.batch_branches else G
+    flops = phase_flops(family, cfg, P, R, G)
+    seconds = {"capture": flops["capture"] / peak * bubble(n, p.pp),
+               "replay": flops["replay"] / peak * bubble(passes, p.pp)}
+    if "prompt_backward" in flops:
+        seconds["prompt_backward"] = flops["prompt_backward"] / peak * bubble(n, p.pp)
+    if "recompute" in flops:
+        sweep = flops["capture"] if "prompt_backward" in flops else 0.0
+        seconds["recompute"] = ((flops["recompute"] - sweep) * bubble(passes, p.pp) + sweep * bubble(n, p.pp)) / peak
+    moved = transfer_bytes(cfg, P, G, host)
+    if moved:
+        seconds["state_transfer"] = sum(moved.values()) / PCIE_BYTES_PER_S
+    if cfg.memory.optimizer_offload:
+        seconds["optimizer_offload"] = optimizer_offload_seconds(cfg, host)
+    seconds["total"] = sum(seconds.values())
+    return {"flops": flops, "seconds": seconds, "seconds_per_group": seconds["total"] / p.dp_for(world_size),
+            "transfer_bytes": moved}

@@ -1,0 +1,255 @@
+"""The planner's memory switches (config/memory.py) against bytes computed by hand from their formulas
+(planner/memory.py, planner/state.py): fp8 state is fp8_nbytes per tensor of the position-sized
+categories, state offload moves exactly those (and, in exact mode, their gradients) to the host and
+stages one layer's state in the model dtype, recompute leaves every layer's input plus one recomputed
+layer, optimizer offload moves the optimizer term and a float32 gradient shard to the host, MLA query
+blocks cap the per-query top-k terms; the time model's added terms (planner/timing.py); the host limit
+in `fits` and in the largest P; `plan --suggest`: the five published configs fit and carry its choices,
+and with nothing that fits it names the closest plan and the GiB it misses (exit 2). All in this
+process: no ranks are spawned. What it does not cover: the runtime's measured bytes with the switches
+on (tools/plan_vs_measured.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+Q27 = os.path.join(ROOT, "configs/qwen3.6-27b.yaml")
+P = 2_088_960
+CAPTURED = -(-(P - 1) // 2)  # tp=4 x cp=2: this rank's positions
+GIB = 2**30
+
+
+def _cfg(path, *overrides):
+    from longstraw_mcore.config import load_config
+
+    return load_config(path if os.path.isabs(path) else os.path.join(ROOT, path), list(overrides))
+
+
+def _both(cfg, P, R, G, gpus):
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.planner.memory import plan_both
+
+    return plan_both(get_family(cfg.model.family), cfg, P, R, G, gpus, cuda=True)
+
+
+def _qwen(*overrides):
+    return _cfg(Q27, "parallel.tp=4", "parallel.cp=2", "memory.recompute=layer", *overrides)
+
+
+def test_fp8_and_offload_move_exactly_the_position_sized_state():
+    from longstraw_mcore.memory.fp8 import fp8_nbytes
+
+    # Qwen3.6-27B at tp=4 x cp=2: 16 attention layers keep K and V, one KV head (256 values) per rank;
+    # 48 Gated DeltaNet layers keep a conv window (3 x 2560 bf16) and a recurrent state (12 x 128 x 128 fp32)
+    kv = 16 * 2 * 256 * CAPTURED * 2
+    kv8 = 16 * 2 * fp8_nbytes(CAPTURED, 256)
+    assert kv8 == 16 * 2 * CAPTURED * 2 * 132  # two blocks of 128 values + a float32 scale each
+    gdn = 48 * (3 * 2560 * 2 + 12 * 128 * 128 * 4)
+    one_layer = 2 * 256 * CAPTURED * 2  # the staged copy: one attention layer's K and V in bf16
+    plans = {name: _both(_qwen(*ov), P, 8192, 8, 8) for name, ov in {
+        "resident": (), "fp8": ("memory.state_dtype=fp8",), "offload": ("memory.state_offload=true",),
+        "both": ("memory.state_offload=true", "memory.state_dtype=fp8")}.items()}
+    want = {"resident": (kv + gdn, 0), "fp8": (kv8 + gdn, 0), "offload": (gdn, kv), "both": (gdn, kv8)}
+    for name, (device, host) in plans.items():
+        assert (device["prompt_state"], host["prompt_state"]) == want[name], name
+        assert sum(host.values()) == host["prompt_state"], name  # nothing else moves
+        staged = 0 if name == "resident" else one_layer
+        assert device["activations"] == plans["resident"][0]["activations"] + staged, name
+        for k in ("weights", "gradients", "optimizer"):
+            assert device[k] == plans["resident"][0][k], (name, k)
+
+
+def test_glm_fp8_latents_by_tensor():
+    from longstraw_mcore.memory.fp8 import fp8_nbytes
+    from longstraw_mcore.prompt_state.mla import MLAIndexerState
+
+    cfg = _cfg("configs/glm-5.2.yaml", "parallel.cp=4", "parallel.ep=32", "memory.recompute=layer",
+               "memory.state_dtype=fp8")
+    rows = -(-(2_097_152 - 1) // 4)
+    # c (512 values: 4 blocks) and pe (64: one block) on all 78 layers, the index key (128) on the 21
+    # full indexer layers: fp8 unless the kind keeps it exact (memory/staging.py: it decides the top-k)
+    ik = rows * 128 * 2 if "ik" in getattr(MLAIndexerState, "exact_rows", ()) else fp8_nbytes(rows, 128)
+    device, host = _both(cfg, 2_097_152, 1024, 2, 32)
+    assert device["prompt_state"] == 78 * (fp8_nbytes(rows, 512) + fp8_nbytes(rows, 64)) + 21 * ik
+    assert fp8_nbytes(rows, 512) + fp8_nbytes(rows, 64) == rows * 660 and sum(host.values()) == 0
+
+
+def test_exact_offload_moves_the_position_sized_gradients():
+    cfg = _qwen("replay.mode=exact", "memory.state_offload=true")
+    device, host = _both(cfg, P, 8192, 8, 8)
+    chunks = -(-(P - 1) // cfg.replay.chunk_len)
+    per_gdn = 3 * 2560 * 2 + 12 * 128 * 128 * 4
+    # device: GDN's final state and its exact-mode chunk boundaries (1/cp each), and its state leaves'
+    # float32 gradients (conv, recurrent, and the conv's float32 copy); host: K/V and their float32 accumulators
+    assert device["prompt_state"] == 48 * (per_gdn + per_gdn // 2 * (chunks - 1))
+    assert device["prompt_state_grad"] == 48 * (7680 + 196608 + 7680) * 4
+    assert host["prompt_state"] == 16 * 2 * 256 * CAPTURED * 2
+    assert host["prompt_state_grad"] == 16 * 2 * 256 * CAPTURED * 4
+
+
+def test_recompute_keeps_each_layers_input_and_one_layer():
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.planner.activations import layer_bytes, zero_centred_norm_bytes
+    from longstraw_mcore.planner.memory import phase_bytes
+    from longstraw_mcore.prompt_state.containers import analytic_state_grad_bytes
+
+    Pt, R, G = 300, 40, 2
+    for mode in ("detached", "exact"):
+        base = _cfg("configs/qwen3.6-tiny.yaml", f"replay.mode={mode}")
+        rec = _cfg("configs/qwen3.6-tiny.yaml", f"replay.mode={mode}", "memory.recompute=layer")
+        fam, m = get_family("qwen3_5"), base.model
+        L, Hd, e, V = m.num_layers, m.hidden_size, 4, m.padded_vocab_size(1)
+        cap, chunk = Pt - 1, min(base.replay.chunk_len, Pt - 1)
+        one_grad = max(analytic_state_grad_bytes(fam.layers, m, 1, cap, [t]) for t in set(m.layer_types)) \
+            if mode == "exact" else 0
+        per = [layer_bytes(fam.layers, m, 1, R, i, cap + R) for i in range(L)]
+        logits = max(R * V * 12, R * V * e + V * Hd * e)  # float32: logits, shifted, exp / their grad + lm_head's
+        norm = R * zero_centred_norm_bytes(Hd, e)
+        got0 = phase_bytes(fam, base, Pt, R, G, range(L), True)
+        got = phase_bytes(fam, rec, Pt, R, G, range(L), True)
+        assert got0["replay"] == sum(per) + max(max(per), logits) + norm + one_grad
+        assert got["replay"] == L * R * Hd * e + max(2 * max(per), logits) + norm + one_grad
+        assert got["capture"] == got0["capture"]
+        if mode == "exact":
+            sweep = max(layer_bytes(fam.layers, m, 1, chunk, i, cap, produce_only=i == L - 1) for i in range(L))
+            assert got["prompt_backward"] == L * chunk * Hd * e + sweep + one_grad
+
+
+def test_optimizer_offload_moves_the_optimizer_and_adds_a_gradient_shard():
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.planner.memory import stage_weights
+
+    for red, shards in (("micro_step", 2), ("step", 1)):
+        cfg = _cfg(Q27, "parallel.tp=4", "parallel.cp=2", f"train.grad_reduction={red}",
+                   "memory.optimizer_offload=true")
+        n = stage_weights(get_family("qwen3_5"), cfg, [64], 0)[1]
+        device, host = _both(cfg, 65_536, 1024, 8, 8)
+        plain, _ = _both(_cfg(Q27, "parallel.tp=4", "parallel.cp=2", f"train.grad_reduction={red}"), 65_536, 1024, 8, 8)
+        assert device["optimizer"] == 0 and device["gradients"] == plain["gradients"]
+        assert host["optimizer"] == plain["optimizer"] == -(-n * 12 // shards)  # moments + float32 master (bf16)
+        assert host["optimizer_grads"] == -(-n * 4 // shards)
+
+
+def test_mla_query_block_caps_the_per_query_topk_terms():
+    from longstraw_mcore.planner.activations import mla_bytes
+
+    m = _cfg("configs/glm-5.2.yaml").model
+    T, keys, B = 1024, 100_000, 512
+    k, h, e, w = 2048, 64, 2, 4
+    per_query = k * 8 + k * (512 + 64) * e + k + h * k * (w + e)  # indices, selected latents, mask, softmax
+    assert mla_bytes(m, 1, T, keys) - mla_bytes(m, 1, T, keys, B) == (T - B) * per_query
+    assert mla_bytes(m, 1, 300, keys, B) == mla_bytes(m, 1, 300, keys)
+
+
+def test_time_model_terms():
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.planner.flops import forward_flops, step_flops
+    from longstraw_mcore.planner.timing import CPU_ADAM_BYTES_PER_S, PCIE_BYTES_PER_S, plan_time
+
+    fam = get_family("qwen3_5")
+    Pt, R, G, peak = 65_536, 1024, 4, 148e12 * 0.05
+    cfg = _qwen("memory.state_offload=true", "memory.optimizer_offload=true", "train.grad_reduction=micro_step")
+    device, host = _both(cfg, Pt, R, G, 8)
+    t = plan_time(fam, cfg, Pt, R, G, 8, 148e12, 0.05, host)
+    local = -(-(Pt - 1) // 2) + 1
+    n, S = -(-(Pt - 1) // cfg.replay.chunk_len), host["prompt_state"]
+    assert S > 0 and t["flops"]["recompute"] == forward_flops(fam.layers, cfg.model, local, [R] * G, 4)
+    assert math.isclose(t["seconds"]["recompute"], t["flops"]["recompute"] / peak)
+    assert math.isclose(t["seconds"]["state_transfer"], ((n + 1) / 2 * S + G * 2 * S) / PCIE_BYTES_PER_S)
+    O, Gh = host["optimizer"], host["optimizer_grads"]
+    assert math.isclose(t["seconds"]["optimizer_offload"],
+                        (Gh + Gh / 4 * 2) / PCIE_BYTES_PER_S + (O + Gh) / CPU_ADAM_BYTES_PER_S)
+    assert math.isclose(t["seconds"]["total"], sum(v for k, v in t["seconds"].items() if k != "total"))
+    # no switch, one rank of context: the phases are step_flops' own, and nothing is added
+    plain = _cfg(Q27, "parallel.tp=4")
+    t0 = plan_time(fam, plain, Pt, R, G, 4, 148e12, 0.05, _both(plain, Pt, R, G, 4)[1])
+    ref = step_flops(fam.layers, plain.model, Pt, [R] * G, "detached", plain.replay.chunk_len, 4)["algorithm"]
+    assert t0["flops"] == {"capture": ref["capture"], "replay": ref["replay"]}
+    assert set(t0["seconds"]) == {"capture", "replay", "total"}
+
+
+def _plan_cli(*argv):
+    from longstraw_mcore.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["plan", *argv])
+    return rc, out.getvalue(), err.getvalue().strip()
+
+
+def test_host_limit_decides_fits_and_the_largest_prompt():
+    from longstraw_mcore.commands.plan import plan
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.planner.memory import plan_host
+
+    cfg = _qwen("memory.state_offload=true")
+    res = plan(cfg, P, 8192, 8, 8, "H20-141GB", None, 0.05, host_gib=64, gpus_per_node=8)
+    per_node = res["total_host_per_rank_bytes"] * 8
+    assert res["host_per_node_bytes"] == per_node > 64 * GIB and res["fits_device"] and not res["fits"]
+    mx = res["max_prompt_len"]
+    fam = get_family("qwen3_5")
+    assert sum(plan_host(fam, cfg, mx, 8192, 8, 8).values()) * 8 <= 64 * GIB
+    assert sum(plan_host(fam, cfg, mx + 1, 8192, 8, 8).values()) * 8 > 64 * GIB
+    rc, out, _ = _plan_cli("--config", Q27, "--prompt-len", "65536", "--response-len", "512", "--group-size", "2",
+                           "--gpus", "4", "--gpus-per-node", "2", "--device", "H20-141GB", "--json",
+                           "parallel.tp=4", "memory.recompute=layer", "memory.state_offload=true")
+    got = json.loads(out)
+    assert rc == 0 and got["inputs"]["gpus_per_node"] == 2 and got["device_bytes"] == 141 * 10**9
+    assert got["host_per_node_bytes"] == 2 * got["total_host_per_rank_bytes"] > 0
+    for argv, want in [(("--host-gib", "0"), "--host-gib 0.0: must be > 0"),
+                       (("--gpus-per-node", "0"), "--gpus-per-node 0: must be a positive integer")]:
+        rc, _, err = _plan_cli("--config", Q27, "--prompt-len", "4096", "--response-len", "256", "--group-size", "2",
+                               "--gpus", "4", *argv, "parallel.tp=4")
+        assert rc == 2 and want in err, (argv, err)
+
+
+PUBLISHED = [  # (config, P, R, G, GPUs, device)
+    ("qwen3.6-27b-qlora-2m-8xh20-96gb", 2_088_960, 8192, 8, 8, "H20-96GB"),
+    ("qwen3.6-27b-qlora-4.46m-8xh20-141gb", 4_456_448, 8192, 8, 8, "H20-141GB"),
+    ("qwen3.6-27b-qlora-exact-2m-8xh20-141gb", 2_088_960, 8192, 8, 8, "H20-141GB"),
+    ("qwen3.6-27b-full-2m-16xh20-96gb", 2_097_152, 1024, 8, 16, "H20-96GB"),
+    ("glm-5.2-lora-2m-32xh20-141gb", 2_097_152, 1024, 2, 32, "H20-141GB"),
+]
+
+
+def test_published_configs_fit_with_the_suggested_layout_and_switches():
+    """Each config under configs/published/ fits its point by `suggest`, and what the search chose is
+    what the config sets (its layout, memory section and gradient reduction)."""
+    import dataclasses
+
+    from longstraw_mcore.config import config_to_dict
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.planner.memory import device_profile
+    from longstraw_mcore.planner.suggest import suggest
+
+    for name, Pp, R, G, gpus, dev in PUBLISHED:
+        cfg = _cfg(f"configs/published/{name}.yaml")
+        found = suggest(get_family(cfg.model.family), config_to_dict(cfg), Pp, R, G, gpus, device_profile(dev), 0.05,
+                        2048 * GIB, 8)
+        best = found["best"]
+        assert found["fits"] and not best.misses, (name, best.misses)
+        assert best.device_bytes <= device_profile(dev).memory_bytes and best.host_node_bytes <= 2048 * GIB
+        assert dataclasses.asdict(best.cfg) == dataclasses.asdict(cfg), (name, best.overrides)
+
+
+def test_suggest_cli_json_and_nothing_fits():
+    tiny = os.path.join(ROOT, "configs/qwen3.6-tiny.yaml")
+    base = ["--config", tiny, "--prompt-len", "4096", "--response-len", "64", "--group-size", "2", "--gpus", "2",
+            "--suggest"]
+    rc, out, _ = _plan_cli(*base, "--json")
+    got = json.loads(out)
+    assert rc == 0 and got["fits"] and got["suggest"]["fits"] and got["suggest"]["plan"]["fits"]
+    ov = got["suggest"]["overrides"]
+    assert any(o.startswith("parallel.tp=") for o in ov) and "memory.mla_query_block=0" in ov
+    rc, out, _ = _plan_cli(*base)
+    assert rc == 0 and out.startswith("suggest: tp=") and "overrides: parallel.tp=" in out
+    rc, out, err = _plan_cli(*base, "--device-gib", "0.001", "--host-gib", "0.001")
+    assert rc == 2 and "error: --suggest: nothing fits 2 x H20-96GB among" in err and "the closest is tp=" in err
+    assert "GiB per rank over the device" in err and "(its overrides: parallel.tp=" in err
+    miss = float(err.split("the closest is ")[1].split(": ")[1].split(" GiB per rank")[0])
+    assert miss > 0
