@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -119,6 +120,7 @@ def _cpu_worker(rank, world_size, points, device: str = "cpu"):
         apply(model, cfg.memory)
         model.zero_grad(set_to_none=True)
         states = []
+        gc.collect()  # what the previous point left in reference cycles is freed now, not inside this measure
         with _keep_states(states):
             _, peak, _, how = measure_memory(lambda: process_group(model, group, cfg.replay, cfg.grpo),
                                              torch.device(device))

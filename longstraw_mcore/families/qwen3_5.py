@@ -20,7 +20,7 @@ from longstraw_mcore.prompt_state.kinds import LayerKind
 LAYERS = {
     "full_attention": LayerKind(state=AttentionKV, activation_bytes=partial(hybrid_layer_bytes, attention_bytes),
                                 norm_bytes=zero_centred_norm_bytes, flops=GatedAttentionFlops(),
-                                scratch_bytes=attention_scratch_bytes),
+                                scratch_bytes=attention_scratch_bytes, scratch_on_top=False),
     "linear_attention": LayerKind(state=GDNRecurrentState, activation_bytes=partial(hybrid_layer_bytes, gdn_bytes),
                                   norm_bytes=zero_centred_norm_bytes, flops=GatedDeltaNetFlops()),
 }

@@ -218,8 +218,8 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     def rows(i):  # the prompt positions layer i reads on this rank (MLA latents: striped over TP too)
         return layers[lt[i]].state.rows(captured, p.tp)
 
-    def scratch(T):  # no-autograd scratch while a layer runs (attention's / the DSA indexer's block of scores)
-        return max(layers[t].scratch_bytes(m, T, layers[t].state.rows(captured, p.tp), p.tp) for t in types)
+    def scratch(T, i):  # no-autograd scratch while layer i runs (attention's / the DSA indexer's block of scores)
+        return layers[lt[i]].scratch_bytes(m, T, rows(i), p.tp)
 
     def one(T, own, i, produce_only=False):
         return kind_bytes(layers[lt[i]], m, p.tp, T, i, rows(i) + own, produce_only=produce_only, query_block=qb)
@@ -233,7 +233,11 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     def inputs(T):  # memory.recompute=layer: what each layer keeps for its backward
         return len(stage) * T * m.hidden_size * e
 
-    out = {"capture": widest(chunk, 0) + scratch(chunk)}
+    def capture(i):  # layer i's capture of a chunk: its intermediates (an upper bound) and its scratch
+        a, b = one(chunk, 0, i), scratch(chunk, i)
+        return a + b if layers[lt[i]].scratch_on_top else max(a, b)
+
+    out = {"capture": max(capture(i) for i in stage)}
     T = R * (G if rc.batch_branches else 1)
     top = widest(T, T) * (2 if recompute else 1)
     if last_stage:
@@ -260,9 +264,12 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     out["replay"] = flight * (inputs(T) if recompute else saved(T, T)) + top + one_grad
     if not exact:
         out["prompt_backward"] = 0
-    elif recompute:
-        out["prompt_backward"] = flight * inputs(chunk) + max(one(chunk, 0, i, produce_only=i == last)
-                                                              for i in stage) + one_grad
+    elif recompute:  # one layer at a time; an attention layer's backward recomputes its score blocks
+        def sweep_layer(i):
+            a = one(chunk, 0, i, produce_only=i == last)
+            return a if layers[lt[i]].scratch_on_top else max(a, scratch(chunk, i))
+
+        out["prompt_backward"] = flight * inputs(chunk) + max(sweep_layer(i) for i in stage) + one_grad
     else:
         out["prompt_backward"] = flight * saved(chunk, 0, sweep=True) + one_grad
     staging = staging_bytes(layers, m, mem, p.tp, captured, [lt[i] for i in stage], p.cp)

@@ -112,7 +112,9 @@ class AttentionKV(LayerState):
             local_span, idx = self.group_spans[tuple(span)]
         ls0, ls1 = local_span
         assert self.grad is not None and (self.kv is not None or k.shape[1] == ls1 - ls0), (k.shape, local_span)
-        self.produced[chunk] = (k, v, local_span, idx)
+        # setdefault: memory.recompute=layer calls again in the backward; the roots are the first call's
+        # (a recomputed tensor kept here would hold its whole recompute graph until finish_chunk)
+        self.produced.setdefault(chunk, (k, v, local_span, idx))
         own = KeySet(k, v, span[0])
         if ls0 == 0:
             return [own]

@@ -120,7 +120,7 @@ class GDNRecurrentState(LayerState):
         return None if e is None else GDNState(conv=e.conv.to(self.dtype), recurrent=e.recurrent)
 
     def recompute_write(self, chunk: int, new: GDNState) -> None:
-        self.produced[chunk] = new
+        self.produced.setdefault(chunk, new)  # a recompute's second call keeps the first (attention_kv.py)
 
     def outputs(self, chunk: int) -> list[torch.Tensor]:
         assert chunk in self.produced, f"the recompute of chunk {chunk} did not reach this layer"

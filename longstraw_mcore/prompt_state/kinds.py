@@ -31,3 +31,7 @@ class LayerKind:
     scratch_bytes: Callable = _none
     """(m, T, keys, tp) -> no-autograd scratch while it runs in capture (attention's block of scores, the
     DSA indexer's)."""
+    scratch_on_top: bool = True
+    """Whether the scratch adds to the layer's other capture bytes (the DSA indexer's scores, alive beside
+    the attention's), or is its peak instead when larger (attention's score blocks: under no_grad the
+    layer's other intermediates are freed by then)."""

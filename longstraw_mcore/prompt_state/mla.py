@@ -127,7 +127,7 @@ class MLALatentState(LayerState):
         by it (1/n under CP, whose recompute seeds are n times the gradient: prompt_state/contexts.py)."""
         ls0, ls1 = local_span
         assert self.leaves is not None and own.c.shape[1] == ls1 - ls0, (own.c.shape, local_span)
-        self.produced[chunk] = (own.c, own.pe, local_span)
+        self.produced.setdefault(chunk, (own.c, own.pe, local_span))  # a recompute keeps the first (attention_kv.py)
         lo = self._before(ls0)
         c, pe, ik = self._state(lo)
         c, pe = scale_grad(c, deposit_scale), scale_grad(pe, deposit_scale)

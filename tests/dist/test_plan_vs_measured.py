@@ -26,16 +26,14 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
 # memory-switch rows the planner does not yet meet within 10% (printed, not asserted; issue 22 stays open
-# on them): with recompute the capture phase dominates the first, whose formula (one layer's saved
-# tensors for the whole chunk, under no_grad) is an upper bound (planned 1.55x measured); exact mode with
-# recompute measures 1.4-1.6x the plan (planned 0.70 and 0.64 of measured): not yet explained; GLM
-# detached with recompute and query blocks: planned 1.41x measured (an upper bound, not yet explained);
-# the fp8 rows at P=1,200: planned 0.899 / 0.898 of measured (the capture's score blocks are modelled as
-# two, the peak holds 2.2: planner/activations.py attention_scratch_bytes)
+# on them). Over (the plan is an upper bound): layer recompute on the tiny hybrid, detached 1.14x and exact
+# 1.13x measured (one layer's saved-tensor sum, under no_grad or one layer at a time, is more than the
+# layer holds at once); GLM detached with recompute and query blocks 1.43x. Under: exact mode with
+# recompute and the state offloaded at P=1,200, 0.865x (its one-chunk sweep's backward holds more than one
+# layer's saved tensors and score blocks; not yet explained).
 KNOWN_GAPS = ("qwen tiny f32 detached, recompute=layer", "qwen tiny f32 exact chunk 96, recompute=layer",
               "qwen tiny f32 exact, recompute + state offload",
-              "glm tiny f32 detached (4 layers), recompute + MLA query blocks of 16",
-              "qwen tiny f32 detached, recompute + fp8 state", "qwen tiny f32 detached, recompute + fp8 state offload")
+              "glm tiny f32 detached (4 layers), recompute + MLA query blocks of 16")
 
 
 def test_planner_within_10_percent_of_measured_peaks():
@@ -58,4 +56,4 @@ def test_planner_within_10_percent_of_measured_peaks():
         tol = 0.15 if r["name"].startswith("glm") or adapter else 0.10
         assert abs(ratio - 1) <= tol, (r["name"], r["where"], r["P"], r["planned_bytes"], r["measured_bytes"])
         assert not adapter or ratio >= 1.0, (r["name"], ratio)
-    assert sum(abs(r["planned_bytes"] / r["measured_bytes"] - 1) <= 0.10 for r in rows) >= 23
+    assert sum(abs(r["planned_bytes"] / r["measured_bytes"] - 1) <= 0.10 for r in rows) >= 25
