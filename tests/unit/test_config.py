@@ -34,6 +34,17 @@ def test_real_27b_dimensions():
     (["parallel.tp=0"], "parallel.tp=0: must be a positive integer"),
     (["device=tpu"], "device='tpu': must be one of"),
     (["parallel.tp"], "expected key=value"),
+    # the memory switches that cannot apply (config/memory.py)
+    (["memory.state_offload=true"], "memory.state_offload=true needs memory.recompute=layer (got 'none')"),
+    (["memory.state_dtype=fp8"], "memory.state_dtype=fp8 needs memory.recompute=layer"),
+    (["memory.recompute=layer", "memory.state_dtype=fp8", "model.dtype=float64"],
+     "memory.state_dtype=fp8 with model.dtype=float64"),
+    (["memory.recompute=layer", "memory.state_dtype=fp8", "replay.mode=exact"],
+     "memory.state_dtype=fp8 with replay.mode=exact"),
+    (["memory.optimizer_offload=true", "train.grad_reduction=step", "device=cpu"],
+     "HybridDeviceOptimizer, which offloads CUDA parameters only"),
+    (["memory.recompute=all"], "memory.recompute='all': must be one of ['none', 'layer']"),
+    (["memory.mla_query_block=-1"], "memory.mla_query_block=-1: must be an integer >= 0"),
 ])
 def test_bad_config_errors_name_the_value(overrides, needle):
     with pytest.raises(ConfigError) as e:
