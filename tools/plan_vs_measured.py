@@ -167,6 +167,76 @@ def _keep_states(into: list):
         engine.new_state = orig
 
 
+OPTIMIZER_POINTS = [
+    ("qwen tiny f32 micro_step, optimizer offload", "configs/qwen3.6-tiny.yaml",
+     ["train.grad_reduction=micro_step", "memory.optimizer_offload=true"], 300, 96, 4, []),
+    ("qwen tiny bf16 micro_step, optimizer offload", "configs/qwen3.6-tiny.yaml",
+     ["model.dtype=bfloat16", "train.grad_reduction=micro_step", "memory.optimizer_offload=true"], 300, 96, 4, []),
+]
+"""memory.optimizer_offload: the optimizer's host bytes after a train step (the micro_step shards on CPU;
+Megatron's HybridDeviceOptimizer offloads CUDA parameters only, measured by scripts/gpu_check.sh's train)."""
+
+
+def _optimizer_worker(rank, world_size, points):
+    import torch
+
+    from longstraw_mcore.config import load_config
+    from longstraw_mcore.data.rollouts import RolloutGroup
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.parallel.groups import setup_parallel
+    from longstraw_mcore.planner.memory import plan_host
+    from longstraw_mcore.prompt_state.base import storage_bytes
+    from longstraw_mcore.replay.group_step import process_group
+    from longstraw_mcore.train.trainer import build_training, finalize_grads
+
+    out = []
+    for name, config, overrides, P, R, G, layout in points:
+        cfg = load_config(os.path.join(ROOT, config), [*overrides, *layout, "device=cpu"])
+        par = setup_parallel(cfg)
+        fam = get_family(cfg.model.family)
+        model = fam.build_model(cfg.model, par, "cpu")
+        holder, opt = build_training(model, cfg, par)
+        g = torch.Generator().manual_seed(7 + rank)
+        group = RolloutGroup(prompt=torch.randint(0, cfg.model.vocab_size, (P,), generator=g).tolist(),
+                             responses=[torch.randint(0, cfg.model.vocab_size, (R,), generator=g).tolist()
+                                        for _ in range(G)], rewards=[float(b % 3) for b in range(G)])
+        holder.zero_grad_buffer()
+        opt.zero_grad()
+        process_group(holder, group, cfg.replay, cfg.grpo)
+        finalize_grads(holder, par)
+        inner, at_step = opt.optimizer, {}
+
+        def step(*a, _orig=inner.step, **k):  # the host gradient shards exist while the update runs
+            at_step["grads"] = storage_bytes([q.grad for grp in inner.param_groups for q in grp["params"]])
+            return _orig(*a, **k)
+
+        inner.step = step
+        opt.step()
+        held = [q for grp in inner.param_groups for q in grp["params"]] + \
+            [t for st in inner.state.values() for t in st.values() if torch.is_tensor(t)]
+        host = plan_host(fam, cfg, P, R, G, world_size, cuda=False)
+        out.append({"name": name, "measured_host_bytes": storage_bytes(held) + at_step["grads"],
+                    "planned_host_bytes": host["optimizer"] + host["optimizer_grads"],
+                    "where": f"cpu ({world_size} ranks)", "overrides": overrides})
+    return out
+
+
+def optimizer_rows(points=OPTIMIZER_POINTS) -> list[dict]:
+    from longstraw_mcore.launch_local import run_ranks
+
+    return [dict(r, measured_host_bytes=max(x[i]["measured_host_bytes"] for x in per))
+            for per in [run_ranks(_optimizer_worker, 2, points, timeout_s=600)] for i, r in enumerate(per[0])]
+
+
+def optimizer_table(rows: list[dict]) -> str:
+    lines = ["| optimizer in host memory | where | planned MiB | measured MiB | planned / measured |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['where']} | {r['planned_host_bytes'] / 2**20:,.3f} | "
+                     f"{r['measured_host_bytes'] / 2**20:,.3f} | {r['planned_host_bytes'] / r['measured_host_bytes']:.3f} |")
+    return "\n".join(lines)
+
+
 def cpu_rows(points=CPU_POINTS, device: str = "cpu", ranks: int = 2) -> list[dict]:
     from longstraw_mcore.launch_local import run_ranks
 
@@ -223,11 +293,14 @@ def main(argv=None) -> int:
         if r.get("measured_host_bytes"):
             r["host_ratio"] = r["planned_host_bytes"] / r["measured_host_bytes"]
     print(table(rows))
+    opt_rows = optimizer_rows() if "cpu" in wanted else []
+    if opt_rows:
+        print(optimizer_table(opt_rows))
     worst = max(abs(r["ratio"] - 1) for r in rows)
     print(f"{len(rows)} points; worst |planned / measured - 1| = {worst:.1%}")
     tmp = a.out + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"rows": rows}, f, indent=1)
+        json.dump({"rows": rows, "optimizer_rows": opt_rows}, f, indent=1)
     os.replace(tmp, a.out)
     return 0
 

@@ -324,7 +324,10 @@ def stage_plan(family, cfg, P: int, R: int, G: int, world_size: int, s: int, on_
         out["gradients"] = -(-n * 4 // shards) + n * e
     else:
         out["gradients"] = n * (4 if m.dtype == "bfloat16" else e)
-    moments = n * 8 + (n * 4 if m.dtype == "bfloat16" else 0)
+    if t.grad_reduction == "micro_step":  # AdamW's two moments and the master shard, in the shard dtype
+        moments = n * 3 * (8 if m.dtype == "float64" else 4)  # (train/zero2.py: float64 for float64 models)
+    else:
+        moments = n * 8 + (n * 4 if m.dtype == "bfloat16" else 0)
     optimizer = -(-moments // shards) if sharded else moments
     out["optimizer"] = 0 if mem.optimizer_offload else optimizer
     host["optimizer"] = optimizer if mem.optimizer_offload else 0
