@@ -264,10 +264,9 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     out["replay"] = flight * (inputs(T) if recompute else saved(T, T)) + top + one_grad
     if not exact:
         out["prompt_backward"] = 0
-    elif recompute:  # one layer at a time; an attention layer's backward recomputes its score blocks
-        def sweep_layer(i):
-            a = one(chunk, 0, i, produce_only=i == last)
-            return a if layers[lt[i]].scratch_on_top else max(a, scratch(chunk, i))
+    elif recompute:  # one layer at a time: its recomputed saved tensors, and beside them its backward's
+        def sweep_layer(i):  # scratch (attention's backward recomputes its score blocks: three alive at once)
+            return one(chunk, 0, i, produce_only=i == last) + scratch(chunk, i)
 
         out["prompt_backward"] = flight * inputs(chunk) + max(sweep_layer(i) for i in stage) + one_grad
     else:

@@ -27,13 +27,10 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
 # memory-switch rows the planner does not yet meet within 10% (printed, not asserted; issue 22 stays open
-# on them). Over (the plan is an upper bound): layer recompute on the tiny hybrid, detached 1.14x and exact
-# 1.13x measured (one layer's saved-tensor sum, under no_grad or one layer at a time, is more than the
-# layer holds at once); GLM detached with recompute and query blocks 1.43x. Under: exact mode with
-# recompute and the state offloaded at P=1,200, 0.865x (its one-chunk sweep's backward holds more than one
-# layer's saved tensors and score blocks; not yet explained).
+# on them), all over (the plan an upper bound): layer recompute on the tiny hybrid, detached 1.14x and
+# exact 1.13x measured (the planner counts the recomputed layer's whole saved-tensor sum and gradients
+# of its size, more than the layer holds at once); GLM detached with recompute and query blocks 1.43x.
 KNOWN_GAPS = ("qwen tiny f32 detached, recompute=layer", "qwen tiny f32 exact chunk 96, recompute=layer",
-              "qwen tiny f32 exact, recompute + state offload",
               "glm tiny f32 detached (4 layers), recompute + MLA query blocks of 16")
 
 
@@ -63,4 +60,4 @@ def test_planner_within_10_percent_of_measured_peaks():
         tol = 0.15 if r["name"].startswith("glm") or adapter else 0.10
         assert abs(ratio - 1) <= tol, (r["name"], r["where"], r["P"], r["planned_bytes"], r["measured_bytes"])
         assert not adapter or ratio >= 1.0, (r["name"], ratio)
-    assert sum(abs(r["planned_bytes"] / r["measured_bytes"] - 1) <= 0.10 for r in rows) >= 25
+    assert sum(abs(r["planned_bytes"] / r["measured_bytes"] - 1) <= 0.10 for r in rows) >= 26

@@ -116,10 +116,10 @@ def test_recompute_keeps_each_layers_input_and_one_layer():
         assert got["replay"] == L * R * Hd * e + max(2 * max(per), logits) + norm + one_grad
         assert got["capture"] == got0["capture"]
         if mode == "exact":
-            # an attention layer's backward recomputes its score blocks: the larger of those and its saved tensors
+            # an attention layer's backward recomputes its score blocks beside its recomputed saved tensors
             blocks = attention_scratch_bytes(m, chunk, cap, 1)
-            sweep = max(max(layer_bytes(fam.layers, m, 1, chunk, i, cap, produce_only=i == L - 1),
-                            blocks if m.layer_types[i] == "full_attention" else 0) for i in range(L))
+            sweep = max(layer_bytes(fam.layers, m, 1, chunk, i, cap, produce_only=i == L - 1)
+                        + (blocks if m.layer_types[i] == "full_attention" else 0) for i in range(L))
             assert got["prompt_backward"] == L * chunk * Hd * e + sweep + one_grad
 
 
