@@ -5,4 +5,5 @@
                  is brought to the device while the layer runs
     fp8.py       float8 e4m3 rows with a float32 scale per block of 128 values
 
-The optimizer's offload lives with the optimizers (train/optimizers.py, train/zero2.py)."""
+The optimizer's offload lives with the optimizers (train/trainer.py `offload_kwargs`: Megatron's
+HybridDeviceOptimizer; train/zero2.py: the micro_step shards in host memory)."""
