@@ -21,7 +21,7 @@ import dataclasses
 import os
 import sys
 
-from layout_compare import check_steps, compare
+from layout_compare import check_steps, compare, replay_groups
 
 from longstraw_mcore.launch_local import run_ranks
 
@@ -44,30 +44,11 @@ def _build(m, tp: int = 1, ep: int = 1, pp: int = 1, pp_layers=None, cp: int = 1
 
 
 def _steps(m, full, groups, **layout):
-    import torch.distributed as dist
-    from megatron.core.distributed import finalize_model_grads
-
-    from longstraw_mcore.checkpoint.full_state import gather_full, load_full
-    from longstraw_mcore.config import GRPOConfig, ReplayConfig
-    from longstraw_mcore.replay.group_step import process_group
+    from longstraw_mcore.checkpoint.full_state import load_full
 
     model, ddp, par = _build(m, **layout)
     load_full(model, full)
-    out = {}
-    for mode in ("detached", "exact"):
-        ddp.zero_grad_buffer()
-        mine = {}
-        for i, g in enumerate(groups):
-            if i % par.dp == par.pgs.dp.rank():
-                st = process_group(ddp, g, ReplayConfig(mode=mode, chunk_len=5), GRPOConfig(beta=0.05),
-                                   scale=par.dp / len(groups))
-                mine[i] = (st.loss, st.logprobs)
-        finalize_model_grads([ddp], pg_collection=par.pgs)
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        merged = {k: v for d in every for k, v in d.items()}
-        out[mode] = ([merged[i] for i in range(len(groups))], gather_full(model, grads=True))
-    return out
+    return {mode: replay_groups(model, ddp, par, groups, mode) for mode in ("detached", "exact")}
 
 
 def _compare_layouts(layouts, groups_of) -> dict:

@@ -75,32 +75,18 @@ def _build(m, full, layout):
 
 def _run(model, ddp, par, groups, mcfg, mode: str):
     """(per group (loss, log-probs), full gradients, mixer calls) of one mode under `mcfg`."""
-    import torch.distributed as dist
-    from megatron.core.distributed import finalize_model_grads
+    from layout_compare import replay_groups
 
-    from longstraw_mcore.checkpoint.full_state import gather_full
-    from longstraw_mcore.config import GRPOConfig, ReplayConfig
     from longstraw_mcore.memory.layers import apply
-    from longstraw_mcore.replay.group_step import process_group
 
     apply(model, mcfg)
     calls = [0]
     hooks = [layer.self_attention.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
              for layer in model.decoder.layers]
-    ddp.zero_grad_buffer()
-    mine = {}
-    for i, g in enumerate(groups):
-        if i % par.dp == par.pgs.dp.rank():
-            st = process_group(ddp, g, ReplayConfig(mode=mode, chunk_len=5), GRPOConfig(beta=0.05),
-                               scale=par.dp / len(groups))
-            mine[i] = (st.loss, st.logprobs)
-    finalize_model_grads([ddp], pg_collection=par.pgs)
+    per_group, grads = replay_groups(model, ddp, par, groups, mode)
     for h in hooks:
         h.remove()
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    merged = {k: v for d in every for k, v in d.items()}
-    return [merged[i] for i in range(len(groups))], gather_full(model, grads=True), calls[0]
+    return per_group, grads, calls[0]
 
 
 def _placement(model, m, mcfg, P: int) -> dict:

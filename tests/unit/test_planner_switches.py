@@ -11,11 +11,11 @@ on (tools/plan_vs_measured.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import math
 import os
+
+from test_planner import _plan_cli  # the plan command line in-process, one home
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 Q27 = os.path.join(ROOT, "configs/qwen3.6-27b.yaml")
@@ -174,15 +174,6 @@ def test_time_model_terms():
     ref = step_flops(fam.layers, plain.model, Pt, [R] * G, "detached", plain.replay.chunk_len, 4)["algorithm"]
     assert t0["flops"] == {"capture": ref["capture"], "replay": ref["replay"]}
     assert set(t0["seconds"]) == {"capture", "replay", "total"}
-
-
-def _plan_cli(*argv):
-    from longstraw_mcore.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(["plan", *argv])
-    return rc, out.getvalue(), err.getvalue().strip()
 
 
 def test_host_limit_decides_fits_and_the_largest_prompt():
