@@ -61,6 +61,7 @@ from dataclasses import dataclass
 
 from longstraw_mcore.config import ConfigError
 from longstraw_mcore.planner.activations import _elem
+from longstraw_mcore.planner.memo import kept
 
 SLACK = 0.05
 NCCL_BYTES = 256 * 2**20
@@ -138,20 +139,17 @@ def rank_params(family, m, tp: int, ep: int, stage_layers: list[int], stage: int
     return n
 
 
-_WEIGHTS: dict[tuple, object] = {}
-"""Per-layout counts kept for a search (stage_weights, the largest dequantized projection)."""
-
-
 def stage_weights(family, cfg, stages: list[int], s: int) -> tuple[int, int]:
     """(weight bytes, trainable parameters n) of one rank of stage `s`: every parameter at e, or with
     adapters the frozen base (projections at adapter.base_dtype) and the adapters. Kept per (model,
     adapter, tp, ep, stages): `plan --suggest` plans thousands of switch settings on a few layouts."""
+    p = cfg.parallel
+    return kept(("weights", family.name, repr(cfg.model), repr(cfg.adapter), p.tp, p.ep, tuple(stages), s),
+                lambda: _stage_weights(family, cfg, stages, s))
+
+
+def _stage_weights(family, cfg, stages: list[int], s: int) -> tuple[int, int]:
     m, p = cfg.model, cfg.parallel
-    key = (family.name, repr(m), repr(cfg.adapter), p.tp, p.ep, tuple(stages), s)
-    if key in _WEIGHTS:
-        return _WEIGHTS[key]
-    if len(_WEIGHTS) > 256:
-        _WEIGHTS.clear()
     e = _elem(m.dtype)
     first = sum(stages[:s])
     layers = range(first, first + stages[s])
@@ -166,7 +164,6 @@ def stage_weights(family, cfg, stages: list[int], s: int) -> tuple[int, int]:
         base = (n - proj) * e + int(proj * (BASE_BYTES[kind] if kind in BASE_BYTES else e))
         n = adapter_params(sites, cfg, p.tp, p.ep, layers, s == len(stages) - 1)
         weights = base + n * e
-    _WEIGHTS[key] = (weights, n)
     return weights, n
 
 
@@ -254,10 +251,8 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
         # a quantized projection's weight, dequantized for its product (forward and backward)
         from longstraw_mcore.planner.adapters import largest_projection, sites_of
 
-        key = ("deq", family.name, repr(m), p.tp, p.ep, stage.start, stage.stop)
-        if key not in _WEIGHTS:
-            _WEIGHTS[key] = largest_projection(sites_of(family, m), p.tp, p.ep, stage)
-        deq = _WEIGHTS[key] * e
+        deq = kept(("deq", family.name, repr(m), p.tp, p.ep, stage.start, stage.stop),
+                   lambda: largest_projection(sites_of(family, m), p.tp, p.ep, stage)) * e
         top += deq
         out["capture"] += deq
     flight = in_flight(cfg, P, G, stage)

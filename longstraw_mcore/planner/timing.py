@@ -38,6 +38,7 @@ and host-memory bandwidth shared by a node's ranks beyond the per-rank constants
 from __future__ import annotations
 
 from longstraw_mcore.planner.activations import _elem
+from longstraw_mcore.planner.memo import kept
 
 PCIE_BYTES_PER_S = 25e9
 """Host <-> device per GPU, effective. H20 sits on PCIe Gen5 x16 (64 GB/s per direction nominal, ~50 GB/s
@@ -48,24 +49,11 @@ CPU_ADAM_BYTES_PER_S = 10e9
 rank: a 2-socket DDR5 node's ~300-600 GB/s shared by 8 ranks' optimizer threads, with Adam's several
 passes per element (read parameter, gradient and moments; write parameter and moments)."""
 
-_FLOPS: dict[tuple, object] = {}
-
-
-def _kept(key: tuple, compute):
-    """FLOP counts kept per (model, what they depend on): a search plans many layouts and switch
-    settings of one model, and the counts sum every chunk (or block) of every layer."""
-    if key not in _FLOPS:
-        if len(_FLOPS) > 512:
-            _FLOPS.clear()
-        _FLOPS[key] = compute()
-    return _FLOPS[key]
-
-
 def _step(family, m, P: int, lengths: list[int], mode: str, chunk_len: int, tp: int) -> dict:
     """step_flops' algorithm count."""
     from longstraw_mcore.planner.flops import step_flops
 
-    return _kept(("step", family.name, repr(m), P, tuple(lengths), mode, chunk_len, tp),
+    return kept(("step", family.name, repr(m), P, tuple(lengths), mode, chunk_len, tp),
                  lambda: step_flops(family.layers, m, P, lengths, mode, chunk_len, tp)["algorithm"])
 
 
@@ -73,7 +61,7 @@ def _branches(family, m, P: int, lengths: list[int], exact: bool, tp: int) -> tu
     """(branch_flops, forward_flops) against P - 1 captured positions."""
     from longstraw_mcore.planner.flops import branch_flops, forward_flops
 
-    return _kept(("branches", family.name, repr(m), P, tuple(lengths), exact, tp),
+    return kept(("branches", family.name, repr(m), P, tuple(lengths), exact, tp),
                  lambda: (branch_flops(family.layers, m, P, lengths, exact, tp),
                           forward_flops(family.layers, m, P, lengths, tp)))
 
