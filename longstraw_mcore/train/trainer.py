@@ -76,12 +76,11 @@ def offload_kwargs(cfg: RunConfig) -> dict:
     host copies on CUDA only (pinning needs a driver)."""
     if not cfg.memory.optimizer_offload:
         return {}
-    cuda = cfg.resolved_device() == "cuda"
-    if not cuda:
-        raise ConfigError("memory.optimizer_offload with train.grad_reduction=step runs Megatron-Core's "
-                          "HybridDeviceOptimizer, which offloads CUDA parameters only (with CPU parameters 0.19's "
-                          "fails in _set_sub_optimizer_grads: KeyError); on CPU use train.grad_reduction=micro_step "
-                          "(its shards in host memory) or memory.optimizer_offload=false")
+    device = cfg.resolved_device()
+    # the config's own check, at the device `auto` resolved to (with CPU parameters Megatron-Core 0.19's
+    # HybridDeviceOptimizer fails in _set_sub_optimizer_grads: KeyError)
+    cfg.memory.check_run(cfg.replay.mode, cfg.model.dtype, cfg.train.grad_reduction, device)
+    cuda = device == "cuda"
     return {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0, "overlap_cpu_optimizer_d2h_h2d": cuda,
             "pin_cpu_grads": cuda, "pin_cpu_params": cuda}
 
