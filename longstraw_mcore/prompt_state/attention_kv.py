@@ -136,9 +136,9 @@ class AttentionKV(LayerState):
         import torch.distributed as dist
 
         seeds = []
-        for t, g in zip((k, v), self.grad):
-            full = torch.zeros(t.shape, dtype=g.dtype, device=g.device)
-            full.index_copy_(1, idx, g[:, ls0:ls1])
+        for t, g in zip((k, v), self.grad):  # (on the run's device: the accumulators may be host memory)
+            full = torch.zeros(t.shape, dtype=g.dtype, device=t.device)
+            full.index_copy_(1, idx, g[:, ls0:ls1].to(t.device))
             dist.all_reduce(full, group=self.kv.group)
             seeds.append(full)
         return seeds

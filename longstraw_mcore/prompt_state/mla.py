@@ -152,11 +152,13 @@ class MLALatentState(LayerState):
             return out
         import torch.distributed as dist
 
-        keep = self._stripe(ls0, ls1, out[0].device)
+        # (on the run's device: with memory.state_offload the leaves and their gradients are host memory)
+        device = self.pos.device
+        keep = self._stripe(ls0, ls1, device)
         full = []
         for g in out:
-            f = g.new_zeros(g.shape[0], ls1 - ls0, g.shape[2])
-            f[:, keep] = g
+            f = torch.zeros(g.shape[0], ls1 - ls0, g.shape[2], dtype=g.dtype, device=device)
+            f[:, keep] = g.to(device)
             dist.all_reduce(f, group=self.kv.group)
             full.append(f)
         return full
