@@ -33,7 +33,11 @@ stage and TP rank):
     activations      the worst phase of the step (phase_bytes): a branch's saved tensors through the
                      stage's layers (planner/activations.py, derived from the code op by op) plus the
                      log-prob chunk's logits and the output layer's weight gradient; or, in exact
-                     mode, one capture chunk's saved tensors in the prompt backward.
+                     mode, one capture chunk's saved tensors in the prompt backward; or the capture's
+                     widest layer. With plain `.grad` tensors (grads="plain", a model without DDP as
+                     tools/bench_replay.py runs it) the gradients and exact mode's state gradients do
+                     not exist yet while the prompt is captured, so the capture is set against the
+                     other phases without them (the term is what the sum needs to reach that peak).
                      memory.recompute=layer: each layer keeps only its input [T, hidden] x e, and one
                      layer at a time is recomputed in the backward. memory.state_offload or fp8 state
                      (both stage the state): one layer's position-sized state in the model dtype, in
@@ -171,8 +175,10 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     """{phase: bytes} that one rank of the stage holding global layers `stage` allocates on top of the
     parameters, gradients, optimizer and prompt state during each phase (its worst moment):
 
-      capture          one layer's intermediates for a chunk (no autograd: they are freed layer by layer);
-                       with DSA the indexer's block of scores on top (a layer kind's scratch)
+      capture          one layer's intermediates for a chunk (no autograd: they are freed layer by layer),
+                       an upper bound, or, where larger, the moment of its scores (the kind's
+                       scratch_bytes: attention's score blocks, the DSA indexer's, with what is alive
+                       beside them)
       replay           every layer's saved tensors for R tokens (G x R with replay.batch_branches),
                        plus the larger of one layer's backward (gradients the size of its saved
                        tensors) and, on the last stage, the log-prob chunk's worst moment: while it is
@@ -181,13 +187,18 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
                        gradient before it is added to .grad / main_grad; exact mode adds one layer's
                        state gradient before it is accumulated.
                        memory.recompute=layer: every layer's input [T, hidden] x e instead of its saved
-                       tensors, and a layer's backward holds its recomputed saved tensors as well as
-                       their gradients (2 x the widest layer's)
+                       tensors, and a layer's backward holds its recomputed saved tensors and its
+                       backward's scratch (the kind's backward_scratch: attention's recomputed score
+                       blocks); the gradients it makes take the place of the saved tensors they consume
+                       (measured: the exact-mode replay's peak is an attention layer's backward at its
+                       score blocks)
       prompt_backward  exact mode: every layer's saved tensors for one capture chunk (the last layer
                        only as far as its state) and one layer's state gradient (measured on H200 and
                        CPU: the chunk's backward needs no more than its forward kept).
                        memory.recompute=layer: every layer's chunk input [chunk, hidden] x e and one
-                       layer's saved tensors
+                       layer run again with autograd: the larger of its forward's scores moment (the
+                       kind's scratch_bytes, as in capture: the DSA indexer runs again) and its
+                       backward's (recomputed saved tensors and backward_scratch)
     Under pipeline parallelism the replay and the sweep run as one 1F1B schedule whose micro-batches
     are the replay passes (G branches, or one batch) and, in exact mode, the chunks: stage s holds
     min(pp - s, micro-batches) of them in flight (replay/pipeline.py), so what each keeps for its
@@ -215,8 +226,11 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     def rows(i):  # the prompt positions layer i reads on this rank (MLA latents: striped over TP too)
         return layers[lt[i]].state.rows(captured, p.tp)
 
-    def scratch(T, i):  # no-autograd scratch while layer i runs (attention's / the DSA indexer's block of scores)
+    def scratch(T, i):  # layer i's capture peak where its scores are the widest moment (attention's, the indexer's)
         return layers[lt[i]].scratch_bytes(m, T, rows(i), p.tp)
+
+    def backward_scratch(T, i, keys):  # what layer i's backward makes beside its saved tensors (score blocks)
+        return layers[lt[i]].backward_scratch(m, T, keys, p.tp)
 
     def one(T, own, i, produce_only=False):
         return kind_bytes(layers[lt[i]], m, p.tp, T, i, rows(i) + own, produce_only=produce_only, query_block=qb)
@@ -230,13 +244,15 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     def inputs(T):  # memory.recompute=layer: what each layer keeps for its backward
         return len(stage) * T * m.hidden_size * e
 
-    def capture(i):  # layer i's capture of a chunk: its intermediates (an upper bound) and its scratch
-        a, b = one(chunk, 0, i), scratch(chunk, i)
-        return a + b if layers[lt[i]].scratch_on_top else max(a, b)
+    def capture(i):  # layer i's capture of a chunk: its intermediates (an upper bound) or its scores' moment
+        return max(one(chunk, 0, i), scratch(chunk, i))
 
     out = {"capture": max(capture(i) for i in stage)}
     T = R * (G if rc.batch_branches else 1)
-    top = widest(T, T) * (2 if recompute else 1)
+    if recompute:  # one layer's backward: its recomputed saved tensors and its backward's scratch
+        top = max(one(T, T, i) + backward_scratch(T, i, max(rows(i), T)) for i in stage)
+    else:
+        top = widest(T, T)
     if last_stage:
         c = min(rc.logprob_chunk, R) * (G if rc.batch_branches else 1)
         vocab = m.padded_vocab_size(p.tp) // p.tp
@@ -259,9 +275,10 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     out["replay"] = flight * (inputs(T) if recompute else saved(T, T)) + top + one_grad
     if not exact:
         out["prompt_backward"] = 0
-    elif recompute:  # one layer at a time: its recomputed saved tensors, and beside them its backward's
-        def sweep_layer(i):  # scratch (attention's backward recomputes its score blocks: three alive at once)
-            return one(chunk, 0, i, produce_only=i == last) + scratch(chunk, i)
+    elif recompute:  # one layer at a time, run again with autograd: the larger of its forward's scores
+        def sweep_layer(i):  # moment and its backward's (recomputed saved tensors and the score blocks)
+            own = one(chunk, 0, i, produce_only=i == last)
+            return max(scratch(chunk, i), own + backward_scratch(chunk, i, rows(i)))
 
         out["prompt_backward"] = flight * inputs(chunk) + max(sweep_layer(i) for i in stage) + one_grad
     else:
@@ -330,7 +347,11 @@ def stage_plan(family, cfg, P: int, R: int, G: int, world_size: int, s: int, on_
                                                             chunks if exact else 0, types, p.cp)
     out["prompt_state_grad"], host["prompt_state_grad"] = (grad_homes(family.layers, m, mem, p.tp, captured, types)
                                                            if exact else (0, 0))
-    out["activations"] = max(phase_bytes(family, cfg, P, R, G, layers, s == p.pp - 1).values())
+    phases = phase_bytes(family, cfg, P, R, G, layers, s == p.pp - 1)
+    out["activations"] = max(phases.values())
+    if grads == "plain":  # no .grad and no state gradient exists yet while the prompt is captured
+        later = max(v for k, v in phases.items() if k != "capture")
+        out["activations"] = max(later, phases["capture"] - out["gradients"] - out["prompt_state_grad"])
     out["comm_buffers"] = NCCL_BYTES if on_cuda else 0
     out["allocator_slack"] = int(SLACK * sum(out.values())) if on_cuda else 0
     return out, host

@@ -29,9 +29,10 @@ class LayerKind:
     flops: object
     """Its FLOP counts per phase (planner/flops.py's `LayerFlops` interface)."""
     scratch_bytes: Callable = _none
-    """(m, T, keys, tp) -> no-autograd scratch while it runs in capture (attention's block of scores, the
-    DSA indexer's)."""
-    scratch_on_top: bool = True
-    """Whether the scratch adds to the layer's other capture bytes (the DSA indexer's scores, alive beside
-    the attention's), or is its peak instead when larger (attention's score blocks: under no_grad the
-    layer's other intermediates are freed by then)."""
+    """(m, T, keys, tp) -> the layer's capture peak for T tokens (no autograd) where its scores are the
+    widest moment: attention's block of scores, the DSA indexer's, each with what is alive beside them.
+    The planner takes the larger of this and `activation_bytes` (its other intermediates, an upper bound)."""
+    backward_scratch: Callable = _none
+    """(m, T, keys, tp) -> what the layer's backward makes beside its saved tensors (attention's score
+    blocks, recomputed from the log-sum-exp): with memory.recompute=layer, a layer's backward holds its
+    recomputed saved tensors and this."""

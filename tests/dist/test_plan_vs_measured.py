@@ -13,8 +13,9 @@ parameters, planned (planner/memory.step_peak_bytes) and measured, each within 1
     attention layer), so these plans are upper bounds: held to planned >= measured and within 15%;
   - 9 memory-switch points (config/memory.py: recompute, state offload, fp8 state, GLM query blocks;
     P=1,200 where the state matters), device and host bytes apart (how a CPU tells them apart: the
-    tool's docstring): the host side within 10% everywhere, the device side within 10% except
-    KNOWN_GAPS below; and memory.optimizer_offload's host bytes (the micro_step master shards, Adam's
+    tool's docstring): the host side and the device side within 10% everywhere (GLM's too: the capture
+    and the recomputed layer's moments are modelled, planner/memory.py phase_bytes); and
+    memory.optimizer_offload's host bytes (the micro_step master shards, Adam's
     moments, the gradient shards at the update) after a train step, f32 and bf16, within 10%."""
 
 from __future__ import annotations
@@ -24,14 +25,6 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
-
-
-# memory-switch rows the planner does not yet meet within 10% (printed, not asserted; issue 22 stays open
-# on them), all over (the plan an upper bound): layer recompute on the tiny hybrid, detached 1.14x and
-# exact 1.13x measured (the planner counts the recomputed layer's whole saved-tensor sum and gradients
-# of its size, more than the layer holds at once); GLM detached with recompute and query blocks 1.43x.
-KNOWN_GAPS = ("qwen tiny f32 detached, recompute=layer", "qwen tiny f32 exact chunk 96, recompute=layer",
-              "glm tiny f32 detached (4 layers), recompute + MLA query blocks of 16")
 
 
 def test_planner_within_10_percent_of_measured_peaks():
@@ -49,15 +42,11 @@ def test_planner_within_10_percent_of_measured_peaks():
     for r in rows:  # the host side (memory.state_offload): the state's homes and their exact-mode gradients
         if r.get("measured_host_bytes"):
             assert abs(r["planned_host_bytes"] / r["measured_host_bytes"] - 1) <= 0.10, r
-    gaps = [r for r in rows if r["name"] in KNOWN_GAPS]
-    assert len(gaps) == len(KNOWN_GAPS)
-    for r in gaps:
-        print(f"known gap: {r['name']}: planned / measured {r['planned_bytes'] / r['measured_bytes']:.3f}")
-    rows = [r for r in rows if r["name"] not in KNOWN_GAPS]
     for r in rows:
         ratio = r["planned_bytes"] / r["measured_bytes"]
         adapter = "LoRA" in r["name"]
-        tol = 0.15 if r["name"].startswith("glm") or adapter else 0.10
+        switches = any(o.startswith("memory.") for o in r.get("overrides", []))
+        tol = 0.15 if (r["name"].startswith("glm") or adapter) and not switches else 0.10
         assert abs(ratio - 1) <= tol, (r["name"], r["where"], r["P"], r["planned_bytes"], r["measured_bytes"])
         assert not adapter or ratio >= 1.0, (r["name"], ratio)
-    assert sum(abs(r["planned_bytes"] / r["measured_bytes"] - 1) <= 0.10 for r in rows) >= 26
+    assert sum(abs(r["planned_bytes"] / r["measured_bytes"] - 1) <= 0.10 for r in rows) >= 29

@@ -9,7 +9,10 @@ switches off and on, both modes (two groups of unequal branches, capture chunks 
   byte and their host bytes equal the analytic formula.
 - at one rank (Qwen3.5 hybrid, GLM-5.x MLA/DSA) and on 4 ranks (Qwen TP=2 x CP=2, GLM TP=2 x EP=2).
 - memory.state_dtype=fp8 (bf16 models, detached, one rank): log-prob and gradient errors against the
-  same run on the bf16 state, printed; gradient cosine >= 0.999.
+  same run on the bf16 state, printed; gradient cosine >= 0.999 wherever DSA's top-k selections are the
+  same in both runs (Qwen; GLM with top-k 64, every key selected). At the tiny GLM's own top-k of 4 the
+  perturbed hidden states change some discrete selections (counted and printed: 7 of 264 query rows,
+  cosine 0.990 when written); there the cosine is reported, not bounded.
 - the optimizer offload: two train steps with memory.optimizer_offload leave the parameters
   bit-identical to two without it with the micro_step shards (float64 and bf16), on 2 ranks (dp=2).
   grad_reduction=step offloads through Megatron's HybridDeviceOptimizer, which handles CUDA parameters
@@ -18,6 +21,7 @@ switches off and on, both modes (two groups of unequal branches, capture chunks 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -152,20 +156,44 @@ def _check(rows, rank):
         assert r["calls"][1] > r["calls"][0], r  # the layers ran again in the backward
 
 
+@contextlib.contextmanager
+def _selections():
+    """Records every DSA top-k selection made inside (ops/dsa.indexer_topk's rows, sorted per query)."""
+    import longstraw_mcore.ops.dsa as dsa
+
+    into, orig = [], dsa.indexer_topk
+
+    def rec(*a, **k):
+        rows, vals = orig(*a, **k)
+        into.append(rows.detach().sort(-1).values)
+        return rows, vals
+    dsa.indexer_topk = rec
+    try:
+        yield into
+    finally:
+        dsa.indexer_topk = orig
+
+
 def _fp8(name, m, full, **model) -> dict:
-    """bf16 model, detached: fp8 state against the bf16 state (both with layer recompute)."""
+    """bf16 model, detached: fp8 state against the bf16 state (both with layer recompute), and how many
+    query rows' DSA selections differ between the two runs."""
     from longstraw_mcore.config import MemoryConfig
 
     mb = dataclasses.replace(m, dtype="bfloat16", **model)
     model, ddp, par = _build(mb, full, {})
     groups = _groups(mb)
-    base = _run(model, ddp, par, groups, MemoryConfig(recompute="layer"), "detached")
-    got = _run(model, ddp, par, groups, MemoryConfig(recompute="layer", state_dtype="fp8", state_offload=True),
-               "detached")
+    with _selections() as sel_base:
+        base = _run(model, ddp, par, groups, MemoryConfig(recompute="layer"), "detached")
+    with _selections() as sel_got:
+        got = _run(model, ddp, par, groups, MemoryConfig(recompute="layer", state_dtype="fp8", state_offload=True),
+                   "detached")
+    assert len(sel_base) == len(sel_got)
+    rows = sum(x[..., 0].numel() for x in sel_base)
+    flipped = sum(int((x != y).any(-1).sum()) for x, y in zip(sel_base, sel_got))
     a = torch.cat([got[1][k].double().flatten() for k in base[1]])
     b = torch.cat([base[1][k].double().flatten() for k in base[1]])
     return dict(model=name, cos=float(a @ b / (a.norm() * b.norm())), grad=float((a - b).norm() / b.norm()),
-                logp=_logp_diff(got[0], base[0]))
+                logp=_logp_diff(got[0], base[0]), rows=rows, flipped=flipped)
 
 
 def _worker1(rank, world_size):
@@ -186,8 +214,10 @@ def test_memory_switches_one_rank_bit_identical_and_fp8_state_close():
     _check(rows, 0)
     for r in fp8:
         print(f"{r['model']} fp8 state vs bf16 state (detached): log-prob max abs error {r['logp']:.3e}, gradient "
-              f"relative error {r['grad']:.3e}, cosine {r['cos']:.6f}")
-        assert r["cos"] >= 0.999 or "sparse" in r["model"], r
+              f"relative error {r['grad']:.3e}, cosine {r['cos']:.6f}; DSA selections differing: {r['flipped']} "
+              f"of {r['rows']} query rows")
+        assert r["cos"] >= 0.999 or r["flipped"] > 0, r  # bounded wherever the discrete selections agree
+        assert r["flipped"] == 0 or "sparse" in r["model"], r  # with every key selected nothing can flip
 
 
 def test_memory_switches_tp2_cp2_and_glm_tp2_ep2_bit_identical():

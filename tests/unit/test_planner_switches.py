@@ -94,7 +94,8 @@ def test_exact_offload_moves_the_position_sized_gradients():
 
 def test_recompute_keeps_each_layers_input_and_one_layer():
     from longstraw_mcore.families import get_family
-    from longstraw_mcore.planner.activations import attention_scratch_bytes, layer_bytes, zero_centred_norm_bytes
+    from longstraw_mcore.planner.activations import (attention_score_blocks, attention_scratch_bytes, layer_bytes,
+                                                     zero_centred_norm_bytes)
     from longstraw_mcore.planner.memory import phase_bytes
     from longstraw_mcore.prompt_state.containers import analytic_state_grad_bytes
 
@@ -113,13 +114,22 @@ def test_recompute_keeps_each_layers_input_and_one_layer():
         got0 = phase_bytes(fam, base, Pt, R, G, range(L), True)
         got = phase_bytes(fam, rec, Pt, R, G, range(L), True)
         assert got0["replay"] == sum(per) + max(max(per), logits) + norm + one_grad
-        assert got["replay"] == L * R * Hd * e + max(2 * max(per), logits) + norm + one_grad
+        # one layer's backward at a time: its recomputed saved tensors and (attention) its score blocks,
+        # recomputed from the log-sum-exp over the prompt's rows
+        bwd = [per[i] + (attention_score_blocks(m, R, cap, 1) if m.layer_types[i] == "full_attention" else 0)
+               for i in range(L)]
+        assert got["replay"] == L * R * Hd * e + max(max(bwd), logits) + norm + one_grad
         assert got["capture"] == got0["capture"]
         if mode == "exact":
-            # an attention layer's backward recomputes its score blocks beside its recomputed saved tensors
-            blocks = attention_scratch_bytes(m, chunk, cap, 1)
-            sweep = max(layer_bytes(fam.layers, m, 1, chunk, i, cap, produce_only=i == L - 1)
-                        + (blocks if m.layer_types[i] == "full_attention" else 0) for i in range(L))
+            # a layer run again with autograd: the larger of its forward's scores moment (attention: the
+            # capture's score blocks and what is alive beside them) and its backward's (its saved tensors
+            # and the score blocks recomputed from the log-sum-exp)
+            def sweep_layer(i):
+                own = layer_bytes(fam.layers, m, 1, chunk, i, cap, produce_only=i == L - 1)
+                if m.layer_types[i] != "full_attention":
+                    return own
+                return max(attention_scratch_bytes(m, chunk, cap, 1), own + attention_score_blocks(m, chunk, cap, 1))
+            sweep = max(sweep_layer(i) for i in range(L))
             assert got["prompt_backward"] == L * chunk * Hd * e + sweep + one_grad
 
 
@@ -247,3 +257,26 @@ def test_suggest_cli_json_and_nothing_fits():
     assert "GiB per rank over the device" in err and "(its overrides: parallel.tp=" in err
     miss = float(err.split("the closest is ")[1].split(": ")[1].split(" GiB per rank")[0])
     assert miss > 0
+
+
+def test_plain_gradients_do_not_exist_while_the_prompt_is_captured():
+    """grads="plain" (a model without DDP, as the benches and tools/plan_vs_measured.py run it): the
+    capture is set against the later phases without the .grad tensors and state gradients, which are
+    made after it; with the training gradients (DDP buffers, alive all step) the worst phase stands."""
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.planner.memory import phase_bytes, plan_memory
+
+    fam = get_family("qwen3_5")
+    for mode, P in (("detached", 1200), ("exact", 1200), ("exact", 300)):
+        cfg = _cfg("configs/qwen3.6-tiny.yaml", f"replay.mode={mode}", "memory.recompute=layer")
+        L = cfg.model.num_layers
+        ph = phase_bytes(fam, cfg, P, 64, 2, range(L), True)
+        plain = plan_memory(fam, cfg, P, 64, 2, 1, cuda=False, grads="plain")
+        train = plan_memory(fam, cfg, P, 64, 2, 1, cuda=False)
+        later = max(v for k, v in ph.items() if k != "capture")
+        assert plain["activations"] == max(later, ph["capture"] - plain["gradients"] - plain["prompt_state_grad"])
+        assert train["activations"] == max(ph.values())
+        # the step's peak: the state plus the larger of the capture and everything after it
+        assert sum(plain[k] for k in ("gradients", "prompt_state_grad", "activations")) == \
+            max(ph["capture"], plain["gradients"] + plain["prompt_state_grad"] + later)
+    assert ph["capture"] < later  # (the last point: exact at P=300 peaks after the capture)
