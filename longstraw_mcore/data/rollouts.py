@@ -1,7 +1,11 @@
 """Rollouts file: JSON Lines, one prompt group per line (ARCHITECTURE.md section 5).
 
     {"prompt": [ids], "responses": [[ids], ...], "rewards": [floats],
-     "old_logprobs": [[floats], ...]?, "ref_logprobs": [[floats], ...]?}
+     "old_logprobs": [[floats], ...]?, "ref_logprobs": [[floats], ...]?, "loss_masks": [[0|1], ...]?}
+
+`loss_masks` (optional): one 0/1 list per response, the response's length; a 0 token (a tool's output,
+an observation: context, not an action) gives no loss term and is not counted in the token mean, but
+its log-prob is still computed and reported. A group in which every token is masked is refused.
 
 `load_rollouts` validates every group before any model work and raises `RolloutError` naming the
 group (0-based index = line order among non-empty lines), the field and the value.
@@ -26,10 +30,17 @@ class RolloutGroup:
     rewards: list[float]
     old_logprobs: list[list[float]] | None = None
     ref_logprobs: list[list[float]] | None = None
+    loss_masks: list[list[int]] | None = None
 
     @property
     def group_size(self) -> int:
         return len(self.responses)
+
+    def trained_tokens(self) -> list[int]:
+        """Per response, the tokens that carry a loss term (all of them without loss_masks)."""
+        if self.loss_masks is None:
+            return [len(r) for r in self.responses]
+        return [sum(m) for m in self.loss_masks]
 
 
 def _ids(value, where: str, vocab_size: int) -> list[int]:
@@ -61,6 +72,27 @@ def _floats_per_response(value, where: str, responses: list[list[int]]) -> list[
     return value
 
 
+def _masks(value, where: str, responses: list[list[int]]) -> list[list[int]]:
+    if not isinstance(value, list) or len(value) != len(responses):
+        n = len(value) if isinstance(value, list) else type(value).__name__
+        raise RolloutError(f"{where}: expected one 0/1 list per response ({len(responses)}), got {n}")
+    for b, (mk, resp) in enumerate(zip(value, responses)):
+        if not isinstance(mk, list) or len(mk) != len(resp):
+            n = len(mk) if isinstance(mk, list) else type(mk).__name__
+            raise RolloutError(f"{where}[{b}]: length {n} != response length {len(resp)}")
+        for t, x in enumerate(mk):
+            if not isinstance(x, int) or isinstance(x, bool) or x not in (0, 1):
+                raise RolloutError(f"{where}[{b}][{t}]={x!r}: a loss mask holds 0 (no loss term) or 1 (trained)")
+    return value
+
+
+def check_trainable(masks: list[list[int]], where: str) -> None:
+    """Refuses a group in which no token of any response is trained (naming its fully masked responses)."""
+    if not any(any(mk) for mk in masks):
+        raise RolloutError(f"{where}: every token of every response is masked (responses "
+                           f"{list(range(len(masks)))} all zero in loss_masks): nothing to train")
+
+
 def parse_group(obj: dict, index: int, vocab_size: int) -> RolloutGroup:
     g = f"group {index}"
     if not isinstance(obj, dict):
@@ -68,7 +100,7 @@ def parse_group(obj: dict, index: int, vocab_size: int) -> RolloutGroup:
     for key in ("prompt", "responses", "rewards"):
         if key not in obj:
             raise RolloutError(f"{g}: missing field '{key}'")
-    unknown = sorted(set(obj) - {"prompt", "responses", "rewards", "old_logprobs", "ref_logprobs"})
+    unknown = sorted(set(obj) - {"prompt", "responses", "rewards", "old_logprobs", "ref_logprobs", "loss_masks"})
     if unknown:
         raise RolloutError(f"{g}: unknown field(s) {unknown}")
     prompt = _ids(obj["prompt"], f"{g}: prompt", vocab_size)
@@ -90,9 +122,13 @@ def parse_group(obj: dict, index: int, vocab_size: int) -> RolloutGroup:
             raise RolloutError(f"{g}: rewards[{b}]={r!r}: rewards must be finite numbers")
     old = obj.get("old_logprobs")
     ref = obj.get("ref_logprobs")
+    masks = obj.get("loss_masks")
+    if masks is not None:
+        check_trainable(_masks(masks, f"{g}: loss_masks", responses), g)
     return RolloutGroup(prompt=prompt, responses=responses, rewards=[float(r) for r in rewards],
                         old_logprobs=None if old is None else _floats_per_response(old, f"{g}: old_logprobs", responses),
-                        ref_logprobs=None if ref is None else _floats_per_response(ref, f"{g}: ref_logprobs", responses))
+                        ref_logprobs=None if ref is None else _floats_per_response(ref, f"{g}: ref_logprobs", responses),
+                        loss_masks=masks)
 
 
 def load_rollouts(path: str | Path, vocab_size: int) -> list[RolloutGroup]:
@@ -121,4 +157,6 @@ def write_rollouts(path: str | Path, groups: list[RolloutGroup]) -> None:
                 obj["old_logprobs"] = g.old_logprobs
             if g.ref_logprobs is not None:
                 obj["ref_logprobs"] = g.ref_logprobs
+            if g.loss_masks is not None:
+                obj["loss_masks"] = g.loss_masks
             f.write(json.dumps(obj) + "\n")

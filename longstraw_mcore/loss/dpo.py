@@ -1,6 +1,8 @@
 """DPO on the replay machinery: two branches of one prompt, chosen (higher reward) and rejected.
 
-    z = beta * ((pi_c - ref_c) - (pi_r - ref_r)),   L = -log sigmoid(z),   pi_x = sum_t logp_x,t
+    z = beta * ((pi_c - ref_c) - (pi_r - ref_r)),   L = -log sigmoid(z),   pi_x = sum_t m_x,t logp_x,t
+
+m is the rollout's loss mask (1 everywhere without one): ref_x sums the same tokens.
 
 L couples the two branches, so it is not a sum of per-branch terms. The branches are first scored
 without autograd (cheap: no graph), which fixes dL/dpi_x; each branch is then replayed with autograd
@@ -30,8 +32,20 @@ def dpo_terms(pi: dict[int, float], ref: dict[int, float], chosen: int, rejected
     return loss, {chosen: g, rejected: -g}
 
 
-def surrogate_loss_fn(coeff: dict[int, float]):
+def masked_sum(values, mask: list[int] | None) -> float:
+    """sum_t m_t x_t over one response (every token without a mask)."""
+    if mask is None:
+        return float(sum(float(x) for x in values))
+    return float(sum(float(x) for x, m in zip(values, mask) if m))
+
+
+def surrogate_loss_fn(coeff: dict[int, float], masks: list[list[int]] | None = None):
     def loss_fn(b: int, logp: torch.Tensor):
-        return logp.sum() * coeff[b], {"tokens": int(logp.numel()), "clipped": 0, "kl_sum": 0.0}
+        if masks is None:
+            pi, trained = logp.sum(), int(logp.numel())
+        else:
+            keep = torch.tensor(masks[b], dtype=torch.bool, device=logp.device)
+            pi, trained = torch.where(keep, logp, torch.zeros_like(logp)).sum(), int(keep.sum())
+        return pi * coeff[b], {"tokens": int(logp.numel()), "trained": trained, "clipped": 0, "kl_sum": 0.0}
 
     return loss_fn

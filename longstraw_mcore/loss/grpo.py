@@ -4,7 +4,12 @@
     rho_t = exp(logp_t - old_t)                 (old = logp.detach() when the rollout has none: on-policy)
     l_t = -min(rho_t A_b, clip(rho_t, 1 - eps_low, 1 + eps_high) A_b) + beta * k3_t
     k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
-    L = sum_b w_b sum_t l_bt       token_mean: w_b = 1 / (tokens in the group); seq_mean: w_b = 1 / (G R_b)
+    L = sum_b w_b sum_t m_bt l_bt  token_mean: w_b = 1 / (sum_b' sum_t m_b't); seq_mean: w_b = 1 / (G' n_b)
+
+m_bt is the rollout's loss mask (1 everywhere without one): a masked token gives no term and is not
+counted; n_b = sum_t m_bt are branch b's trained tokens and G' the branches with n_b > 0 (a fully masked
+branch has weight 0 and is left out of the sequence mean). Clipped tokens and the KL sum count trained
+tokens only; every token's log-prob is still computed and reported.
 
 L is a sum of branch terms, so each branch can be replayed and back-propagated on its own. A group
 whose rewards are all equal has A = 0: with beta = 0 it contributes nothing and is skipped (counted,
@@ -27,16 +32,19 @@ def advantages(rewards: list[float], cfg: GRPOConfig) -> torch.Tensor | None:
     return a / (r.std() + cfg.adv_eps) if cfg.std_normalize else a
 
 
-def branch_weights(lengths: list[int], cfg: GRPOConfig) -> list[float]:
+def branch_weights(trained: list[int], cfg: GRPOConfig) -> list[float]:
+    """w_b from each branch's trained token count n_b (its length without a loss mask)."""
     if cfg.aggregation == "token_mean":
-        total = sum(lengths)
-        return [1.0 / total] * len(lengths)
-    return [1.0 / (len(lengths) * n) for n in lengths]
+        total = sum(trained)
+        return [1.0 / total if n else 0.0 for n in trained]
+    live = sum(1 for n in trained if n)
+    return [1.0 / (live * n) if n else 0.0 for n in trained]
 
 
 def branch_loss(logp: torch.Tensor, adv: float, weight: float, cfg: GRPOConfig,
-                old: torch.Tensor | None = None, ref: torch.Tensor | None = None):
-    """One branch's term of L (a scalar with graph) and its stats (clipped tokens, KL sum, tokens)."""
+                old: torch.Tensor | None = None, ref: torch.Tensor | None = None, mask: torch.Tensor | None = None):
+    """One branch's term of L (a scalar with graph) and its stats (clipped and KL over the trained tokens;
+    `tokens`: all replayed, `trained`: those with a loss term). `mask`: the 0/1 loss mask, or None."""
     old = logp.detach() if old is None else old.to(logp.dtype)
     ratio = torch.exp(logp - old)
     clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
@@ -48,21 +56,28 @@ def branch_loss(logp: torch.Tensor, adv: float, weight: float, cfg: GRPOConfig,
         d = ref.to(logp.dtype) - logp
         k3 = torch.exp(d) - d - 1
         per_token = per_token + cfg.beta * k3
-        kl_sum = float(k3.detach().sum())
-    n_clipped = int(((ratio * adv) > (clipped * adv)).sum()) if adv != 0 else 0
-    return per_token.sum() * weight, {"clipped": n_clipped, "kl_sum": kl_sum, "tokens": int(logp.numel())}
+        kl_sum = float((k3.detach() if mask is None else k3.detach() * mask).sum())
+    hit = (ratio * adv) > (clipped * adv)
+    n_clipped = int((hit if mask is None else hit & mask.bool()).sum()) if adv != 0 else 0
+    if mask is not None:  # (where, not a product: a masked token's term is dropped, whatever its value)
+        per_token = torch.where(mask.bool(), per_token, torch.zeros_like(per_token))
+    trained = int(logp.numel() if mask is None else mask.sum())
+    return per_token.sum() * weight, {"clipped": n_clipped, "kl_sum": kl_sum, "tokens": int(logp.numel()),
+                                      "trained": trained}
 
 
 def group_loss_fn(group, cfg: GRPOConfig, adv: torch.Tensor | None):
     """`loss_fn(b, logp)` for the replay engine: branch b's term of the group objective."""
-    weights = branch_weights([len(r) for r in group.responses], cfg)
+    weights = branch_weights(group.trained_tokens(), cfg)
 
     def loss_fn(b: int, logp: torch.Tensor):
         old = None if group.old_logprobs is None else torch.tensor(group.old_logprobs[b], dtype=logp.dtype,
                                                                     device=logp.device)
         ref = None if group.ref_logprobs is None else torch.tensor(group.ref_logprobs[b], dtype=logp.dtype,
                                                                     device=logp.device)
+        mask = None if group.loss_masks is None else torch.tensor(group.loss_masks[b], dtype=logp.dtype,
+                                                                  device=logp.device)
         a = 0.0 if adv is None else float(adv[b])
-        return branch_loss(logp, a, weights[b], cfg, old=old, ref=ref)
+        return branch_loss(logp, a, weights[b], cfg, old=old, ref=ref, mask=mask)
 
     return loss_fn

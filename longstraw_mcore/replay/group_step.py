@@ -12,7 +12,7 @@ DPO's reference margin).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from longstraw_mcore.config import GRPOConfig, ReplayConfig
 from longstraw_mcore.data.rollouts import RolloutGroup
@@ -26,6 +26,8 @@ class GroupStats:
     loss: float = 0.0
     reward_mean: float = 0.0
     tokens: int = 0
+    trained_tokens: int = 0
+    """Response tokens with a loss term (tokens minus those rollout loss_masks zero)."""
     clipped: int = 0
     kl_sum: float = 0.0
     skipped: bool = False
@@ -55,21 +57,24 @@ def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConf
     if gcfg.objective == "dpo":
         chosen, rejected = dpo.chosen_rejected(group.rewards, f"group {index}")
         logps, _ = score_group(model, group.prompt, group.responses, rcfg)
-        pi = {b: float(lp.sum()) for b, lp in enumerate(logps)}
+        mk = group.loss_masks or [None] * len(group.responses)
+        pi = {b: dpo.masked_sum(lp.tolist(), mk[b]) for b, lp in enumerate(logps)}
         if group.ref_logprobs is None and ref_model is not None:  # the reference policy, scored without autograd
             ref_lps, ref_state = score_group(ref_model, group.prompt, group.responses, rcfg)
             ref_state_bytes = ref_state.nbytes()
             del ref_state
-            ref = {b: float(lp.sum()) for b, lp in enumerate(ref_lps)}
+            ref = {b: dpo.masked_sum(lp.tolist(), mk[b]) for b, lp in enumerate(ref_lps)}
         else:
-            ref = {b: (sum(group.ref_logprobs[b]) if group.ref_logprobs is not None else 0.0) for b in (0, 1)}
+            ref = {b: (dpo.masked_sum(group.ref_logprobs[b], mk[b]) if group.ref_logprobs is not None else 0.0)
+                   for b in (0, 1)}
         loss, coeff = dpo.dpo_terms(pi, ref, chosen, rejected, gcfg.beta)
-        fn = dpo.surrogate_loss_fn(coeff)
+        fn = dpo.surrogate_loss_fn(coeff, group.loss_masks)
     else:
         adv = advantages(group.rewards, gcfg)
         if adv is None and gcfg.beta == 0:
             stats.skipped = True
             stats.tokens = sum(len(r) for r in group.responses)
+            stats.trained_tokens = sum(group.trained_tokens())
             return stats
         if gcfg.beta > 0 and group.ref_logprobs is None:
             if ref_model is None:
@@ -78,8 +83,7 @@ def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConf
             ref_lps, ref_state = score_group(ref_model, group.prompt, group.responses, rcfg)
             ref_state_bytes = ref_state.nbytes()
             del ref_state
-            group = RolloutGroup(prompt=group.prompt, responses=group.responses, rewards=group.rewards,
-                                 old_logprobs=group.old_logprobs, ref_logprobs=[lp.tolist() for lp in ref_lps])
+            group = replace(group, ref_logprobs=[lp.tolist() for lp in ref_lps])
         fn = group_loss_fn(group, gcfg, adv)
         loss = None
     results, state, seconds = run_group(model, group.prompt, group.responses, _scaled(fn, scale), rcfg, timed=True,
@@ -87,6 +91,7 @@ def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConf
     per = [r.stats for r in results]
     stats.loss = loss if loss is not None else sum(s["loss"] for s in per)
     stats.tokens = sum(s["tokens"] for s in per)
+    stats.trained_tokens = sum(s.get("trained", s["tokens"]) for s in per)
     stats.clipped = sum(s["clipped"] for s in per)
     stats.kl_sum = sum(s["kl_sum"] for s in per)
     stats.state_bytes, stats.ref_state_bytes = state.nbytes(), ref_state_bytes

@@ -6,6 +6,7 @@ exact    == plain full-sequence GRPO over G copies of [prompt, y_b] on the same 
 detached == Hugging Face `transformers` run on prompt[:-1] under no_grad returning its cache, then on
            each branch with autograd using a copy of that cache (the prompt state is a constant there
            by construction): per-token log-probs and gradients, mapped through the conversion table.
+Rollout loss masks: exact replay of a masked group equals its full sequences, with every log-prob reported.
 Invariances: branch order, capture chunk size, one branch at a time vs all branches batched,
 attention probabilities recomputed vs stored (`replay.attn_probs_budget_mib`).
 The objective exercises every term: off-policy old log-probs (so clipping is active), k3 KL to
@@ -119,6 +120,21 @@ def _worker(rank, world_size):
             st = capture(model, torch.tensor([group.prompt[:-1]]), ReplayConfig(mode=mode, chunk_len=chunk))
             n_chunks = len(st.chunk_bounds) if mode == "exact" else 0
             out["bytes"].append((P, mode, chunk, st.nbytes_by_type(), analytic_state_bytes(get_family(m.family).layers, m, 1, P - 1, n_chunks)))
+    # rollout loss masks (the masked objective itself: tests/unit/test_loss_masks.py): exact replay equals
+    # full sequences; every token's log-prob is still computed and reported, equal to the unmasked run's
+    group = make_group(m, 23, [5, 1, 9], 2)
+    group.loss_masks = [[1, 0, 0, 1, 1], [0], [1, 1, 1, 0, 0, 0, 1, 0, 1]]
+    ref_loss, ref_lp, ref_g = grads_and_loss(model, group, gcfg, lambda fn: full_sequence_branches(
+        model, group.prompt, group.responses, fn))
+    runs = {}
+    for name, masks in (("masked", group.loss_masks), ("plain", None)):
+        group.loss_masks = masks
+        runs[name] = grads_and_loss(model, group, gcfg, lambda fn: [r.logprobs for r in run_group(
+            model, group.prompt, group.responses, fn, ReplayConfig(mode="exact", chunk_len=5))[0]])
+    (loss, lp, g), (_, lp0, g0) = runs["masked"], runs["plain"]
+    out["masked"] = dict(loss=abs(loss - ref_loss) / abs(ref_loss), logp=max(rel(a, b) for a, b in zip(lp, ref_lp)),
+                         grad=max(rel(g[k], ref_g[k]) for k in g), lengths=[len(x) for x in lp],
+                         logp_vs_plain=max(rel(a, b) for a, b in zip(lp, lp0)), grad_vs_plain=max(rel(g[k], g0[k]) for k in g))
     return out
 
 
@@ -141,6 +157,10 @@ def test_exact_equals_full_sequence_and_invariances():
         print(f"state bytes P={P} {mode} chunk={chunk}: measured {measured} analytic {analytic}")
         assert measured == analytic
     assert any(cos < 0.9999 for _, G, cos in out["cosine"] if G > 1)  # the two modes really differ
+    mk = out["masked"]
+    print(f"loss masks, exact vs full sequences: {mk}")
+    assert mk["loss"] <= 1e-10 and mk["logp"] <= 1e-10 and mk["grad"] <= 1e-10, mk
+    assert mk["lengths"] == [5, 1, 9] and mk["logp_vs_plain"] == 0.0 and mk["grad_vs_plain"] > 1e-3, mk
 
 
 def _dpo_worker(rank, world_size):
