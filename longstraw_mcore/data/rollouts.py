@@ -58,32 +58,29 @@ def _finite_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _floats_per_response(value, where: str, responses: list[list[int]]) -> list[list[float]]:
+def _per_response(value, where: str, responses: list[list[int]], kind: str, valid, rule: str) -> list[list]:
+    """One list per response, each the response's length, every element `valid(x)` (else `rule` is named)."""
     if not isinstance(value, list) or len(value) != len(responses):
         n = len(value) if isinstance(value, list) else type(value).__name__
-        raise RolloutError(f"{where}: expected one list per response ({len(responses)}), got {n}")
-    for b, (lp, resp) in enumerate(zip(value, responses)):
-        if not isinstance(lp, list) or len(lp) != len(resp):
-            n = len(lp) if isinstance(lp, list) else type(lp).__name__
+        raise RolloutError(f"{where}: expected one {kind}list per response ({len(responses)}), got {n}")
+    for b, (xs, resp) in enumerate(zip(value, responses)):
+        if not isinstance(xs, list) or len(xs) != len(resp):
+            n = len(xs) if isinstance(xs, list) else type(xs).__name__
             raise RolloutError(f"{where}[{b}]: length {n} != response length {len(resp)}")
-        for t, x in enumerate(lp):
-            if not _finite_number(x):
-                raise RolloutError(f"{where}[{b}][{t}]={x!r}: log-probs must be finite numbers")
+        for t, x in enumerate(xs):
+            if not valid(x):
+                raise RolloutError(f"{where}[{b}][{t}]={x!r}: {rule}")
     return value
+
+
+def _floats_per_response(value, where: str, responses: list[list[int]]) -> list[list[float]]:
+    return _per_response(value, where, responses, "", _finite_number, "log-probs must be finite numbers")
 
 
 def _masks(value, where: str, responses: list[list[int]]) -> list[list[int]]:
-    if not isinstance(value, list) or len(value) != len(responses):
-        n = len(value) if isinstance(value, list) else type(value).__name__
-        raise RolloutError(f"{where}: expected one 0/1 list per response ({len(responses)}), got {n}")
-    for b, (mk, resp) in enumerate(zip(value, responses)):
-        if not isinstance(mk, list) or len(mk) != len(resp):
-            n = len(mk) if isinstance(mk, list) else type(mk).__name__
-            raise RolloutError(f"{where}[{b}]: length {n} != response length {len(resp)}")
-        for t, x in enumerate(mk):
-            if not isinstance(x, int) or isinstance(x, bool) or x not in (0, 1):
-                raise RolloutError(f"{where}[{b}][{t}]={x!r}: a loss mask holds 0 (no loss term) or 1 (trained)")
-    return value
+    return _per_response(value, where, responses, "0/1 ",
+                         lambda x: isinstance(x, int) and not isinstance(x, bool) and x in (0, 1),
+                         "a loss mask holds 0 (no loss term) or 1 (trained)")
 
 
 def check_trainable(masks: list[list[int]], where: str) -> None:

@@ -46,6 +46,7 @@ def branch_loss(logp: torch.Tensor, adv: float, weight: float, cfg: GRPOConfig,
     """One branch's term of L (a scalar with graph) and its stats (clipped and KL over the trained tokens;
     `tokens`: all replayed, `trained`: those with a loss term). `mask`: the 0/1 loss mask, or None."""
     old = logp.detach() if old is None else old.to(logp.dtype)
+    keep = None if mask is None else mask.bool()
     ratio = torch.exp(logp - old)
     clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
@@ -56,12 +57,12 @@ def branch_loss(logp: torch.Tensor, adv: float, weight: float, cfg: GRPOConfig,
         d = ref.to(logp.dtype) - logp
         k3 = torch.exp(d) - d - 1
         per_token = per_token + cfg.beta * k3
-        kl_sum = float((k3.detach() if mask is None else k3.detach() * mask).sum())
+        kl_sum = float((k3.detach() if keep is None else k3.detach()[keep]).sum())
     hit = (ratio * adv) > (clipped * adv)
-    n_clipped = int((hit if mask is None else hit & mask.bool()).sum()) if adv != 0 else 0
-    if mask is not None:  # (where, not a product: a masked token's term is dropped, whatever its value)
-        per_token = torch.where(mask.bool(), per_token, torch.zeros_like(per_token))
-    trained = int(logp.numel() if mask is None else mask.sum())
+    n_clipped = int((hit if keep is None else hit & keep).sum()) if adv != 0 else 0
+    if keep is not None:  # (where, not a product: a masked token's term is dropped, whatever its value)
+        per_token = torch.where(keep, per_token, torch.zeros_like(per_token))
+    trained = int(logp.numel() if keep is None else keep.sum())
     return per_token.sum() * weight, {"clipped": n_clipped, "kl_sum": kl_sum, "tokens": int(logp.numel()),
                                       "trained": trained}
 
