@@ -61,10 +61,11 @@ def run(args) -> int:
     for i in mine:
         st = process_group(ddp, groups[i], cfg.replay, cfg.grpo, scale=par.dp / n, ref_model=ref, index=i)
         results[i] = {"loss": st.loss, "logprobs": st.logprobs, "skipped": st.skipped, "state_bytes": st.state_bytes,
-                      "ref_state_bytes": st.ref_state_bytes}
+                      "ref_state_bytes": st.ref_state_bytes, "tokens": st.tokens, "replayed": st.replayed_tokens}
         for k, v in (st.seconds or {}).items():
             seconds[k] = seconds.get(k, 0.0) + v
-        rank0_print(f"[validate] group {i}: loss {st.loss:.6g}, {st.tokens} response tokens, "
+        rank0_print(f"[validate] group {i}: loss {st.loss:.6g}, {st.tokens} response tokens ({st.replayed_tokens} "
+                    "replayed), "
                     f"state {st.state_bytes / 2**20:.3f} MiB on rank 0")
     probe.close()
     finalize_model_grads([ddp], pg_collection=par.pgs)
@@ -94,6 +95,8 @@ def run(args) -> int:
             "loss": sum(merged[i]["loss"] for i in range(n)) / n,
             "logprobs": [merged[i]["logprobs"] for i in range(n)],
             "skipped_groups": [i for i in range(n) if merged[i]["skipped"]],
+            "response_tokens": sum(merged[i]["tokens"] for i in range(n)),
+            "replayed_tokens": sum(merged[i]["replayed"] for i in range(n)),  # prefix trees: shared segments once
             "grad_norm": gn, "mode": cfg.replay.mode, "objective": cfg.grpo.objective,
             "trained": trained_description(cfg),
             "layout": par.layout(), "peak_bytes_per_rank": [g[2] for g in gathered],

@@ -26,6 +26,10 @@ class ReplayConfig:
     recompute: the FLOP minimum) when they fit in this many MiB per rank, summed over this rank's
     attention layers (layers x local heads x branch tokens x prompt tokens x 4 B, 8 B in float64);
     otherwise, and at 0 (default), the backward recomputes them (memory O(branch x block))."""
+    prefix_tree: bool = True
+    """Responses of a group that begin with the same tokens replay those once, as a prefix tree's
+    shared segments (replay/tree.py; the same numbers as replaying each whole); false: every response
+    whole from the prompt state. Pipeline size 1 (at pp > 1 groups replay flat)."""
     reuse_steps: int = 1
     """`train`: one captured prompt state serves this many optimizer steps, each replaying newly
     sampled branches (needs adapter.prompt=frozen: the state must not depend on trainable weights)."""

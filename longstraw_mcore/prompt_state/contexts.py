@@ -51,7 +51,7 @@ import torch
 from longstraw_mcore.ops.attention import KeySet
 from longstraw_mcore.parallel.cp import CPLayout, local_positions
 from longstraw_mcore.prompt_state.containers import PromptState
-from longstraw_mcore.prompt_state.hooks import MLAKeys, StateHooks
+from longstraw_mcore.prompt_state.hooks import GDNState, MLAKeys, StateHooks
 
 
 class _Base(StateHooks):
@@ -134,27 +134,49 @@ class CaptureContext(_ChunkBase):
 
 
 class ReplayContext(_Base):
-    """A branch (or a batch of `batch` branches) starting at position `state.length`."""
+    """A branch (or a batch of `batch` branches) starting at position `state.length`, or with `path`
+    (prompt_state/segments.py) after the shared segments on it: their keys, latents and GDN state
+    join the prompt's, replicated like the branch's own (counted once under context parallelism)."""
 
-    def __init__(self, state: PromptState, batch: int = 1, store_probs: bool = False, layout: CPLayout | None = None):
-        super().__init__(state, state.length, layout)
+    def __init__(self, state: PromptState, batch: int = 1, store_probs: bool = False, layout: CPLayout | None = None,
+                 path=None):
+        self.path = path if path is not None and path.stack else None
+        super().__init__(state, state.length + (self.path.tokens if self.path is not None else 0), layout)
         self.batch, self.store_probs = batch, store_probs  # store_probs: the engine checked they fit
+        self._shared = 1  # the key sets counted once (replicated): the path's and the call's own
+        self._own: dict = {}  # id(a call's own latents) -> with the path's before them
 
     def key_sets(self, n: int, k, v):
-        return self.state.layers[n].replay_keys(k, v, self.position_offset, self.store_probs)
+        sets = self.state.layers[n].replay_keys(k, v, self.state.length, self.store_probs)
+        if self.path is None:
+            return sets
+        *prompt, _ = sets
+        path = self.path.key_sets(n, k.dtype)
+        self._shared = len(path) + 1
+        return prompt + path + [KeySet(k, v, self.position_offset)]
 
     def attend(self, q, keys: list[KeySet], q_start: int, block: int, kv=None):
         if self.layout is None:
             return super().attend(q, keys, q_start, block, kv)
         from longstraw_mcore.parallel.cp_attention import replay_attention
 
-        *shard, own = keys  # the kinds put the branch's own keys last
-        return replay_attention(q, shard, [own], q_start, self.layout, block=block)
+        n = self._shared  # the kinds put the branch's own keys last; the path's sets before them
+        return replay_attention(q, keys[:-n], keys[-n:], q_start, self.layout, block=block)
 
     def read(self, n: int):
-        return self.state.layers[n].replay_read(self.batch)
+        seg = self.path.gdn(n) if self.path is not None else None
+        if seg is None:
+            return self.state.layers[n].replay_read(self.batch)
+        conv = seg.conv.to(self.state.layers[n].dtype)
+        if self.batch == 1:
+            return GDNState(conv=conv, recurrent=seg.recurrent)
+        return GDNState(conv=conv.expand(self.batch, -1, -1), recurrent=seg.recurrent.expand(self.batch, -1, -1, -1))
 
     def latent(self, n: int, own):
+        if self.path is not None:
+            ext = self.path.latents(n, own)
+            self._own[id(own)] = ext
+            own = ext
         if self.layout is None:
             return self.state.layers[n].replay_latent(own)
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region as copy_to
@@ -165,8 +187,33 @@ class ReplayContext(_Base):
         own = MLAKeys(copy_to(own.c, group=g), copy_to(own.pe, group=g), own.ik, own.pos)
         return self.state.layers[n].replay_latent(own, own_counted=self.layout.rank == 0)
 
+    def attend_latent(self, query, keys, own, tp_group, kv=None):
+        # the rows replicated on every rank (a TP group's stripes count them once) are the path's and the own
+        return super().attend_latent(query, keys, self._own.pop(id(own), own), tp_group, kv)
+
     def write(self, n: int, new) -> None:
         pass  # the branch's own state is scratch of its graph
+
+
+class SegmentContext(ReplayContext):
+    """A shared segment of a prefix tree (replay/tree.py): replayed as a branch is, below `path`,
+    while recording what its layers produce into `segment` (its children's prefix state)."""
+
+    def __init__(self, state: PromptState, path, segment, layout: CPLayout | None = None):
+        super().__init__(state, 1, False, layout, path)
+        self.segment = segment
+        assert segment.start == self.position_offset, (segment.start, self.position_offset)
+
+    def key_sets(self, n: int, k, v):
+        self.segment.produced.setdefault(n, (k, v))  # (memory.recompute=layer calls again: keep the first)
+        return super().key_sets(n, k, v)
+
+    def latent(self, n: int, own):
+        self.segment.produced.setdefault(n, own)
+        return super().latent(n, own)
+
+    def write(self, n: int, new) -> None:
+        self.segment.produced.setdefault(n, new)
 
 
 class RecomputeContext(_ChunkBase):

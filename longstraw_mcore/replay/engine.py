@@ -27,11 +27,12 @@ from longstraw_mcore.prompt_state.containers import PromptState
 from longstraw_mcore.replay.local import execute_local
 from longstraw_mcore.replay.pipeline import execute_pipeline
 from longstraw_mcore.replay.plan import Step, chunk_spans, plan_group, replay_steps, with_transitions
+from longstraw_mcore.replay.tree import build_tree, replayed_tokens as tree_tokens, shares, tree_steps
 from longstraw_mcore.replay.steps import (BranchLoss, BranchResult, GroupInputs, core_of, new_state,
                                           prompt_is_frozen, same_schedule_over_ep, stores_attention_probs)
 
 __all__ = ["ReplayConfig", "BranchResult", "capture", "replay_branches", "run_group", "score_group", "make_leaves",
-           "stores_attention_probs", "execute"]
+           "stores_attention_probs", "execute", "group_replay_steps", "replayed_tokens"]
 
 
 def execute(model, plan: list[Step], g: GroupInputs, state: PromptState | None = None, state_grad: bool = False):
@@ -45,6 +46,30 @@ def execute(model, plan: list[Step], g: GroupInputs, state: PromptState | None =
         state = new_state(core, plan, g, layout)
     run = execute_pipeline if core.pg_collection.pp.size() > 1 else execute_local
     return run(model, with_transitions(plan, state_grad), g, state, layout)
+
+
+def _tree(model, responses: list[list[int]], cfg: ReplayConfig):
+    """The group's prefix tree when it replays as one (replay.prefix_tree, responses sharing tokens,
+    pipeline size 1), else None."""
+    if not cfg.prefix_tree or core_of(model).pg_collection.pp.size() > 1 or len(responses) < 2:
+        return None
+    root = build_tree(responses)
+    return root if shares(root) else None
+
+
+def group_replay_steps(model, responses: list[list[int]], cfg: ReplayConfig, order: list[int] | None = None):
+    """A group's replay steps: its prefix tree's (replay/tree.py) where responses share tokens, or one
+    per branch (in `order`, or batched)."""
+    root = _tree(model, responses, cfg) if order is None else None
+    if root is not None:
+        return tree_steps(root, cfg.batch_branches)
+    return replay_steps(list(range(len(responses))) if order is None else order, cfg.batch_branches)
+
+
+def replayed_tokens(model, responses: list[list[int]], cfg: ReplayConfig) -> int:
+    """Response tokens a group's replay runs: each shared segment once (prefix tree), else every token."""
+    root = _tree(model, responses, cfg)
+    return tree_tokens(root, responses) if root is not None else sum(len(r) for r in responses)
 
 
 def _group(model, prompt: list[int], responses, loss_fn, cfg) -> GroupInputs:
@@ -85,11 +110,11 @@ def run_group(model, prompt: list[int], responses: list[list[int]], loss_fn: Bra
 
     Returns (results, state) or, with `timed`, (results, state, seconds per phase)."""
     t0 = time.perf_counter()
-    order = list(range(len(responses))) if order is None else order
+    replay = group_replay_steps(model, responses, cfg, order)
     if state is not None:
         if not prompt_is_frozen(model):
             raise ValueError("run_group(state=...): a captured state is reused only with adapter.prompt=frozen")
-        results, state, seconds = execute(model, replay_steps(order, cfg.batch_branches),
+        results, state, seconds = execute(model, replay,
                                           _group(model, prompt, responses, loss_fn, cfg), state)
         seconds.setdefault("replay", 0.0)
         seconds["capture"], seconds["total"] = 0.0, time.perf_counter() - t0
@@ -100,7 +125,7 @@ def run_group(model, prompt: list[int], responses: list[list[int]], loss_fn: Bra
     if prompt_is_frozen(model) and cfg.mode == "exact":
         cfg = dataclasses.replace(cfg, mode="detached")
     mode = cfg.mode
-    plan = plan_group(len(prompt) - 1, cfg.chunk_len, order, mode, cfg.batch_branches)
+    plan = plan_group(len(prompt) - 1, cfg.chunk_len, [], mode, cfg.batch_branches, replay)
     results, state, seconds = execute(model, plan, _group(model, prompt, responses, loss_fn, cfg),
                                       state_grad=mode == "exact" and loss_fn is not None)
     seconds.setdefault("capture", 0.0)
@@ -118,5 +143,6 @@ def score_group(model, prompt: list[int], responses: list[list[int]], cfg: Repla
     if state is None:
         state = capture(model, _group(model, prompt, responses, None, cfg).prefix,
                         ReplayConfig(mode="detached", chunk_len=cfg.chunk_len))
-    res = replay_branches(model, state, prompt[-1], responses, list(range(len(responses))), None, cfg)
-    return [r.logprobs for r in res], state
+    g = _group(model, prompt, responses, None, cfg)
+    results = execute(model, group_replay_steps(model, responses, cfg), g, state)[0]
+    return [results[b].logprobs for b in sorted(results)], state

@@ -18,7 +18,7 @@ from longstraw_mcore.config import GRPOConfig, ReplayConfig
 from longstraw_mcore.data.rollouts import RolloutGroup
 from longstraw_mcore.loss import dpo
 from longstraw_mcore.loss.grpo import advantages, group_loss_fn
-from longstraw_mcore.replay.engine import run_group, score_group
+from longstraw_mcore.replay.engine import replayed_tokens, run_group, score_group
 
 
 @dataclass
@@ -28,6 +28,8 @@ class GroupStats:
     tokens: int = 0
     trained_tokens: int = 0
     """Response tokens with a loss term (tokens minus those rollout loss_masks zero)."""
+    replayed_tokens: int = 0
+    """Response tokens the replay ran: a prefix tree's shared segments once (replay/tree.py); 0 when skipped."""
     clipped: int = 0
     kl_sum: float = 0.0
     skipped: bool = False
@@ -92,6 +94,7 @@ def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConf
     stats.loss = loss if loss is not None else sum(s["loss"] for s in per)
     stats.tokens = sum(s["tokens"] for s in per)
     stats.trained_tokens = sum(s.get("trained", s["tokens"]) for s in per)
+    stats.replayed_tokens = replayed_tokens(model, group.responses, rcfg)
     stats.clipped = sum(s["clipped"] for s in per)
     stats.kl_sum = sum(s["kl_sum"] for s in per)
     stats.state_bytes, stats.ref_state_bytes = state.nbytes(), ref_state_bytes

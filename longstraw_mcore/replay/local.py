@@ -10,10 +10,12 @@ import time
 
 from longstraw_mcore.parallel.cp import CPLayout
 from longstraw_mcore.prompt_state.containers import PromptState
+from longstraw_mcore.prompt_state.segments import SegmentPath
 from longstraw_mcore.replay import steps as S
 from longstraw_mcore.replay.plan import Step
 
 _TIMED_AS = {"finish_capture": "capture", "enable_grad": "replay", "release_grad": "prompt_backward"}
+_REPLAY = ("segment", "segment_backward")  # a prefix tree's shared segments (replay/tree.py) count as replay
 
 
 def execute_local(model, plan: list[Step], g: S.GroupInputs, state: PromptState, layout: CPLayout | None):
@@ -23,6 +25,7 @@ def execute_local(model, plan: list[Step], g: S.GroupInputs, state: PromptState,
     seconds: dict[str, float] = {}
     results: dict[int, S.BranchResult] = {}
     keep = g.cfg.mode == "exact"
+    path = SegmentPath()
     for step in plan:
         t0 = time.perf_counter()
         if step.phase in _TIMED_AS:
@@ -30,7 +33,13 @@ def execute_local(model, plan: list[Step], g: S.GroupInputs, state: PromptState,
         elif step.phase == "capture":
             S.capture_chunk(core, state, step, g, layout, keep)
         elif step.phase == "replay":
-            results.update(S.replay_step(core, state, step, g, device, layout))
+            results.update(S.replay_step(core, state, step, g, device, layout, path))
+            if g.loss_fn is not None:
+                S.micro_step_done(model)
+        elif step.phase == "segment":
+            S.segment_forward(core, state, path, step, g, device, layout)
+        elif step.phase == "segment_backward":
+            results.update(S.segment_backward(core, path, step, g))
             if g.loss_fn is not None:
                 S.micro_step_done(model)
         elif step.phase == "prompt_backward":
@@ -38,6 +47,6 @@ def execute_local(model, plan: list[Step], g: S.GroupInputs, state: PromptState,
             S.micro_step_done(model)
         else:
             raise ValueError(f"unknown plan phase {step.phase!r}")
-        phase = _TIMED_AS.get(step.phase, step.phase)
+        phase = "replay" if step.phase in _REPLAY else _TIMED_AS.get(step.phase, step.phase)
         seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - t0
     return results, state, seconds

@@ -16,6 +16,8 @@ three branches and exact mode:
     7     prompt_backward  1      [4, 8)             each recomputed with autograd and seeded with
     8     prompt_backward  0      [0, 4)             the state gradient accumulated so far
 
+With shared response prefixes the replay steps are a prefix tree's (replay/tree.py: `segment`,
+`replay` from a depth, `segment_backward`, depth first); the rest of the plan is unchanged.
 Detached mode stops after the replay steps; scoring (no autograd) is a plan of replay steps alone
 against a state captured before. Each pipeline stage runs the same steps on its own layers (nothing
 in a step depends on which layers execute it): replay/pipeline.py feeds them to Megatron's pipeline
@@ -43,10 +45,12 @@ TRANSITIONS = ("finish_capture", "enable_grad", "release_grad")
 
 @dataclass(frozen=True)
 class Step:
-    phase: Literal["capture", "replay", "prompt_backward", "finish_capture", "enable_grad", "release_grad"]
-    index: int                                  # capture chunk, or replay micro-step
-    span: tuple[int, int] = (0, 0)              # prompt token range of a chunk
-    branches: tuple[int, ...] = ()              # the branches of a replay micro-step
+    phase: Literal["capture", "replay", "prompt_backward", "finish_capture", "enable_grad", "release_grad",
+                   "segment", "segment_backward"]
+    index: int                                  # capture chunk, replay micro-step, or prefix-tree node
+    span: tuple[int, int] = (0, 0)              # prompt token range of a chunk; a segment's response depths
+    # [a, b); (depth, 0) for a replay step: the response tokens its prefix-tree path covers (0: flat)
+    branches: tuple[int, ...] = ()              # the branches of a replay micro-step (a segment: its members)
 
 
 def chunk_spans(captured: int, chunk_len: int) -> list[tuple[int, int]]:
@@ -61,14 +65,16 @@ def replay_steps(order: Sequence[int], batched: bool) -> list[Step]:
     return [Step("replay", i, branches=(b,)) for i, b in enumerate(order)]
 
 
-def plan_group(captured: int, chunk_len: int, order: Sequence[int], mode: str, batched: bool) -> list[Step]:
-    """Capture `captured` prompt positions in chunks, replay the branches in `order`, and in exact mode
-    sweep the chunks back from last to first."""
+def plan_group(captured: int, chunk_len: int, order: Sequence[int], mode: str, batched: bool,
+               replay: Sequence[Step] | None = None) -> list[Step]:
+    """Capture `captured` prompt positions in chunks, replay the branches in `order` (or the given
+    `replay` steps: a prefix tree's, replay/tree.py), and in exact mode sweep the chunks back from last
+    to first."""
     if mode not in ("detached", "exact"):
         raise ValueError(f"mode={mode!r}: must be 'detached' or 'exact'")
     spans = chunk_spans(captured, chunk_len)
     steps = [Step("capture", c, span) for c, span in enumerate(spans)]
-    steps += replay_steps(order, batched)
+    steps += list(replay) if replay is not None else replay_steps(order, batched)
     if mode == "exact":
         steps += [Step("prompt_backward", c, spans[c]) for c in reversed(range(len(spans)))]
     return steps
@@ -79,7 +85,7 @@ def with_transitions(plan: Sequence[Step], state_grad: bool) -> list[Step]:
     docstring); `state_grad`: exact mode with a loss, the state gradient accumulates over the replays."""
     out: list[Step] = []
     for i, step in enumerate(plan):
-        if step.phase == "replay" and state_grad:
+        if step.phase in ("replay", "segment") and state_grad:
             out.append(Step("enable_grad", 0))
             state_grad = False
         out.append(step)

@@ -160,49 +160,99 @@ def prompt_is_frozen(model) -> bool:
     return aset is not None and aset.cfg.prompt == "frozen"
 
 
-def replay_inputs(g: GroupInputs, bs: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
+def replay_inputs(g: GroupInputs, bs: tuple[int, ...], device, depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets [len(bs), R] of a replay micro-step, right-padded (causal: pads never reach
-    real positions)."""
-    R = max(len(g.responses[b]) for b in bs)
+    real positions); `depth`: the response tokens a prefix tree's path already covers (replay/tree.py)."""
+    R = max(len(g.responses[b]) - depth for b in bs)
     ids = torch.zeros(len(bs), R, dtype=torch.long, device=device)
     tgt = torch.zeros(len(bs), R, dtype=torch.long, device=device)
     for i, b in enumerate(bs):
         r = g.responses[b]
-        ids[i, :len(r)] = torch.tensor([g.prompt_last] + r[:-1], device=device)
-        tgt[i, :len(r)] = torch.tensor(r, device=device)
+        ids[i, :len(r) - depth] = torch.tensor(([g.prompt_last] + r[:-1])[depth:], device=device)
+        tgt[i, :len(r) - depth] = torch.tensor(r[depth:], device=device)
     return ids, tgt
 
 
-def replay_context(core, state: PromptState, step: Step, g: GroupInputs, layout, grad: bool) -> ReplayContext:
-    R = max(len(g.responses[b]) for b in step.branches)
-    store = grad and stores_attention_probs(core, state.length, g.cfg, len(step.branches), R)
-    return ReplayContext(state, batch=len(step.branches), store_probs=store, layout=layout)
+def replay_context(core, state: PromptState, step: Step, g: GroupInputs, layout, grad: bool, path=None) -> ReplayContext:
+    depth = step.span[0]
+    R = max(len(g.responses[b]) - depth for b in step.branches)
+    store = grad and path is None and stores_attention_probs(core, state.length, g.cfg, len(step.branches), R)
+    return ReplayContext(state, batch=len(step.branches), store_probs=store, layout=layout, path=path)
 
 
-def branch_losses(core, hidden: torch.Tensor, tgt: torch.Tensor, step: Step, g: GroupInputs):
-    """Per-token log-probs of the micro-step's branches from the last layer's output, and (with a
-    loss function) the sum of their loss terms: (total or None, {branch: BranchResult})."""
+def branch_losses(core, hidden: torch.Tensor, tgt: torch.Tensor, step: Step, g: GroupInputs, path=None):
+    """Per-token log-probs of the micro-step's branches from the last layer's output (after the
+    log-probs of the prefix tree's segments on `path`), and (with a loss function) the sum of their
+    loss terms: (total or None, {branch: BranchResult})."""
     logp = core.token_logprobs(hidden, tgt, g.cfg.logprob_chunk)
+    depth = step.span[0]
+    above = path.logprobs() if path is not None else []
     total, out = None, {}
     for i, b in enumerate(step.branches):
-        lp = logp[i, :len(g.responses[b])]
-        stats = {}
-        if g.loss_fn is not None:
-            loss, stats = g.loss_fn(b, lp)
-            total = loss if total is None else total + loss
-        out[b] = BranchResult(lp.detach(), stats)
+        lp = logp[i, :len(g.responses[b]) - depth]
+        if above:
+            lp = torch.cat([*above, lp])
+        t, res = _branch_term(g, b, lp)
+        total = t if total is None else total + t
+        out[b] = res
     return total, out
 
 
-def replay_step(core, state: PromptState, step: Step, g: GroupInputs, device, layout) -> dict[int, BranchResult]:
+def _branch_term(g: GroupInputs, b: int, lp: torch.Tensor):
+    """(loss term or None, result) of response `b` from its whole log-prob vector."""
+    if g.loss_fn is None:
+        return None, BranchResult(lp.detach(), {})
+    loss, stats = g.loss_fn(b, lp)
+    return loss, BranchResult(lp.detach(), stats)
+
+
+def replay_step(core, state: PromptState, step: Step, g: GroupInputs, device, layout, path=None) -> dict[int, BranchResult]:
     """A replay micro-step with its backward (pp = 1)."""
     grad = g.loss_fn is not None
-    ids, tgt = replay_inputs(g, step.branches, device)
+    ids, tgt = replay_inputs(g, step.branches, device, step.span[0])
     with torch.set_grad_enabled(grad):
-        hidden = core.forward_hidden(ids, replay_context(core, state, step, g, layout, grad))
-        total, out = branch_losses(core, hidden, tgt, step, g)
+        hidden = core.forward_hidden(ids, replay_context(core, state, step, g, layout, grad, path))
+        total, out = branch_losses(core, hidden, tgt, step, g, path)
         if grad:
             total.backward()  # frees this micro-step's graph (its scratch) before the next one
+    return out
+
+
+def segment_forward(core, state: PromptState, path, step: Step, g: GroupInputs, device, layout) -> None:
+    """A prefix tree's shared segment (replay/tree.py): replayed once below `path` (with autograd when
+    there is a loss), its layers' state recorded, sealed into leaves and pushed on the path."""
+    from longstraw_mcore.prompt_state.contexts import SegmentContext
+    from longstraw_mcore.prompt_state.segments import Segment
+
+    grad = g.loss_fn is not None
+    a, b = step.span
+    ids, tgt = replay_inputs(g, step.branches[:1], device, a)
+    ids, tgt = ids[:, :b - a], tgt[:, :b - a]
+    seg = Segment(start=state.length + a, length=b - a)
+    with torch.set_grad_enabled(grad):
+        hidden = core.forward_hidden(ids, SegmentContext(state, path, seg, layout))
+        logp = core.token_logprobs(hidden, tgt, g.cfg.logprob_chunk)[0]
+    seg.seal(logp, grad)
+    path.stack.append(seg)
+
+
+def segment_backward(core, path, step: Step, g: GroupInputs) -> dict[int, BranchResult]:
+    """After a segment's children: the loss terms of the responses ending at it, then its one backward
+    (seeded with what its children and those terms sent into its leaves); pops it off the path."""
+    grad = g.loss_fn is not None
+    out, total = {}, None
+    with torch.set_grad_enabled(grad):
+        lp = torch.cat(path.logprobs())
+        for b in step.branches:
+            t, out[b] = _branch_term(g, b, lp)
+            total = t if total is None else total + t
+        if total is not None:
+            total.backward()
+    seg = path.stack.pop()
+    if grad:
+        roots, grads = seg.backward_roots()
+        if roots:
+            torch.autograd.backward(roots, grads)
     return out
 
 

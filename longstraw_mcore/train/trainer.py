@@ -120,8 +120,9 @@ class Trainer:
         self.opt.zero_grad()
         gps = cfg.train.groups_per_step
         # loss, reward, tokens, clipped, kl, skipped, groups, state bytes, prompt tokens, trained tokens (those
-        # with a loss term: rollout loss_masks): host numbers until reduced
-        acc = [0.0] * 10
+        # with a loss term: rollout loss_masks), replayed tokens (a prefix tree's shared segments once): host
+        # numbers until reduced
+        acc = [0.0] * 11
         t_sample = time.perf_counter()
         if self.online is not None:  # sampled now from the weights being trained: on-policy
             mine = list(enumerate(self.online.groups(self.ddp.module, self.step, self._dp_rank(), par.dp, gps)))
@@ -134,7 +135,8 @@ class Trainer:
             st = process_group(self.ddp, group, cfg.replay, cfg.grpo, scale=1.0 / gps,
                                ref_model=self.ref_model, index=gi, state=states.get(gi))
             for j, x in enumerate((st.loss, st.reward_mean, st.tokens, st.clipped, st.kl_sum, float(st.skipped), 1.0,
-                                   st.state_bytes + st.ref_state_bytes, len(group.prompt), st.trained_tokens)):
+                                   st.state_bytes + st.ref_state_bytes, len(group.prompt), st.trained_tokens,
+                                   st.replayed_tokens)):
                 acc[j] += x
         finalize_grads(self.ddp, par)
         acc = all_reduce_sum(acc, par.pgs.dp, par.device)
@@ -148,6 +150,8 @@ class Trainer:
             "clip_frac": acc[3] / max(acc[9], 1.0), "kl": acc[4] / max(acc[9], 1.0),  # per trained token
             "grad_norm": float(grad_norm) if grad_norm is not None else None, "update_ok": bool(ok),
             "groups": int(n), "skipped_groups": int(acc[5]), "tokens": int(acc[2]), "trained_tokens": int(acc[9]),
+            "response_tokens": int(acc[2]), "replayed_tokens": int(acc[10]),
+            "replayed_fraction": acc[10] / acc[2] if acc[2] else 0.0,  # of the response tokens (skipped groups: 0)
             "seconds": time.perf_counter() - t0, "peak_bytes": peak_bytes(par.device),
             "state_bytes": int(acc[7] / n), "prompt_tokens": int(acc[8]),
         }
