@@ -29,7 +29,7 @@ class ReplayConfig:
     prefix_tree: bool = True
     """Responses of a group that begin with the same tokens replay those once, as a prefix tree's
     shared segments (replay/tree.py; the same numbers as replaying each whole); false: every response
-    whole from the prompt state. Pipeline size 1 (at pp > 1 groups replay flat)."""
+    whole from the prompt state."""
     reuse_steps: int = 1
     """`train`: one captured prompt state serves this many optimizer steps, each replaying newly
     sampled branches (needs adapter.prompt=frozen: the state must not depend on trainable weights)."""

@@ -44,10 +44,17 @@ class Segment:
     leaves: dict = field(default_factory=dict)    # layer -> the same as autograd leaves (children read these)
     logp: torch.Tensor | None = None             # [S] its tokens' log-probs (graph)
     logp_leaf: torch.Tensor | None = None
+    # pipeline stages (replay/pipeline.py): this stage's received input and its output (graph)
+    stage_input: torch.Tensor | None = None
+    stage_output: torch.Tensor | None = None
 
-    def seal(self, logp: torch.Tensor, grad: bool) -> None:
-        """After the segment's forward: the leaves its children read."""
+    def set_logprobs(self, logp: torch.Tensor | None, grad: bool) -> None:
+        """The segment's tokens' log-probs (the last pipeline stage's), and their leaf."""
         self.logp, self.logp_leaf = logp, _leaf(logp, grad)
+
+    def seal(self, logp: torch.Tensor | None, grad: bool) -> None:
+        """After the segment's forward: the leaves its children read."""
+        self.set_logprobs(logp, grad)
         for n, rec in self.produced.items():
             if isinstance(rec, GDNState):
                 self.leaves[n] = GDNState(conv=_leaf(rec.conv, grad), recurrent=_leaf(rec.recurrent, grad))

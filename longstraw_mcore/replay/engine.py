@@ -49,9 +49,9 @@ def execute(model, plan: list[Step], g: GroupInputs, state: PromptState | None =
 
 
 def _tree(model, responses: list[list[int]], cfg: ReplayConfig):
-    """The group's prefix tree when it replays as one (replay.prefix_tree, responses sharing tokens,
-    pipeline size 1), else None."""
-    if not cfg.prefix_tree or core_of(model).pg_collection.pp.size() > 1 or len(responses) < 2:
+    """The group's prefix tree when it replays as one (replay.prefix_tree, responses sharing tokens),
+    else None."""
+    if not cfg.prefix_tree or len(responses) < 2:
         return None
     root = build_tree(responses)
     return root if shares(root) else None

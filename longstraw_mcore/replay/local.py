@@ -1,8 +1,9 @@
 """The replay plan at pipeline size 1: its steps in order, one at a time (replay/steps.py).
 
 Gradients are reduced per micro-step after every backward (a replay step with a loss, a chunk of the
-prompt backward); a transition's seconds count towards the phase it closes or opens (finish_capture:
-capture, enable_grad: replay, release_grad: prompt_backward)."""
+prompt backward, a prefix tree's segment); a transition's seconds count towards the phase it closes
+or opens (finish_capture: capture, enable_grad: replay, release_grad: prompt_backward); a prefix
+tree's segments count as replay."""
 
 from __future__ import annotations
 

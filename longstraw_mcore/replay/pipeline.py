@@ -32,6 +32,17 @@ recompute records per chunk. When a micro-batch's whole backward has run on a st
 end-of-backward callback), the stage finishes the chunk and calls the model's `micro_step_done`
 (gradients reduced per micro-step, train/zero2.py).
 
+A prefix tree's steps (replay/tree.py) are micro-batches of the same schedule. A `segment` runs
+forward on every stage and keeps its graph there (what the schedule sees is `_Cut`: the value, with
+a graph reaching only the stage's received input, so the schedule's backward of it is empty); its
+children follow; the `segment_backward` micro-batch's forward passes a zero tensor shaped like the
+segment's stage output, and its backward (`_Bridge`) runs the kept graph once, seeded with the
+gradient the next stage sent back, the children's deposits into the segment's leaves and (last
+stage) the terminal responses' terms, and returns the segment's input gradient to the previous
+stage. 1F1B keeps each stage's backwards in micro-batch order, so every child's has run by then;
+since stage 0 forwards ahead of its backwards, a micro-batch's path is the segments live at its
+forward (`live`), not at its backward.
+
 Megatron divides each micro-batch's loss by the number of micro-batches; `_loss` hands it the loss
 times that number so the gradient is the plain sum of the branches' terms, as at pp=1.
 
@@ -161,13 +172,63 @@ def _capture(core, model, steps: list[Step], g, state: PromptState, layout: CPLa
     _replay_schedule(core, model, steps, forward_step, forward_only=True)
 
 
+class _Cut(torch.autograd.Function):
+    """A prefix-tree segment's stage output as the schedule sees it: its value (sent on), with a graph
+    that reaches only `anchor` (the stage's received input, or a fresh leaf). The segment's real graph
+    stays alive untouched: its backward is the segment_backward micro-batch's (`_Bridge`)."""
+
+    @staticmethod
+    def forward(ctx, anchor, value):
+        ctx.anchor_shape = anchor.shape
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.new_zeros(ctx.anchor_shape), None
+
+
+def _anchor(core, device) -> torch.Tensor:
+    """The stage's received input (what Megatron collects the input gradient of), or a fresh leaf on
+    the first stage."""
+    x = None if core.pre_process else core.decoder.input_tensor
+    return x if x is not None else torch.zeros((), device=device, requires_grad=True)
+
+
+class _Bridge(torch.autograd.Function):
+    """A segment_backward micro-batch on one stage: its forward passes a zero tensor shaped like the
+    segment's stage output (so the gradient the next stage sends back has that shape); its backward runs
+    the segment's kept graph on this stage once (reentrant), seeded with the gradient of the stage output
+    (`grad`, from the next stage), what the children sent into the segment's leaves and, on the last
+    stage, the terminal responses' loss terms; the input gradient it returns is the segment's."""
+
+    @staticmethod
+    def forward(ctx, run, done, anchor, like):
+        ctx.run, ctx.done, ctx.anchor_shape = run, done, anchor.shape
+        return torch.zeros_like(like)
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.autograd.Variable._execution_engine.queue_callback(ctx.done)
+        g_in = ctx.run(grad)
+        return None, None, g_in if g_in is not None else grad.new_zeros(ctx.anchor_shape), None
+
+
 def _replay_and_sweep(core, model, steps: list[Step], g, state: PromptState, layout: CPLayout | None) -> dict:
-    """Replay micro-batches, then (exact mode) the chunks' recomputes, in one schedule; returns the
-    branch results on the last stage (empty elsewhere)."""
+    """Replay micro-batches (a prefix tree's segments among them), then (exact mode) the chunks'
+    recomputes, in one schedule; returns the branch results on the last stage (empty elsewhere)."""
+    from longstraw_mcore.prompt_state.contexts import SegmentContext
+    from longstraw_mcore.prompt_state.segments import Segment, SegmentPath
+
     grad = g.loss_fn is not None
     device = next(core.parameters()).device
     n = len(steps)
     results: dict[int, S.BranchResult] = {}
+    live: list = []  # the segments on the path of the micro-batch forwarded next (forward order)
+
+    def snapshot() -> SegmentPath:
+        path = SegmentPath()
+        path.stack = list(live)
+        return path
 
     def step_done(chunk: int | None):
         def done():
@@ -176,18 +237,78 @@ def _replay_and_sweep(core, model, steps: list[Step], g, state: PromptState, lay
             S.micro_step_done(model)
         return done
 
+    def segment(step):
+        a, b = step.span
+        ids, tgt = S.replay_inputs(g, step.branches[:1], device, a)
+        ids, tgt = ids[:, :b - a], tgt[:, :b - a]
+        seg = Segment(start=state.length + a, length=b - a)
+        path = snapshot()
+        with torch.set_grad_enabled(grad):
+            seg.stage_input = None if core.pre_process else core.decoder.input_tensor
+            out = core.forward_hidden(ids, SegmentContext(state, path, seg, layout))
+        seg.seal(None, grad)
+        seg.stage_output = out
+        live.append(seg)
+        # (detached: an edge into the kept graph would let this backward walk into it)
+        sent = _Cut.apply(_anchor(core, device), out.detach()) if grad else out
+
+        def loss(hidden):
+            with torch.set_grad_enabled(grad):
+                seg.set_logprobs(core.token_logprobs(out, tgt, g.cfg.logprob_chunk)[0], grad)
+            return _loss((hidden * 0).sum() if grad else hidden.new_zeros(()), n)
+
+        return sent, loss
+
+    def segment_backward(step):
+        path = snapshot()
+        seg = live.pop()
+        terminal = {}
+
+        def run(grad_out):
+            roots, seeds = [], []
+            if terminal.get("loss") is not None:
+                terminal["loss"].backward()  # the terminal responses' terms reach the path's log-prob leaves
+            if seg.stage_input is not None:
+                seg.stage_input.grad = None  # (the schedule's backward of the segment micro-batch left zeros)
+            roots, seeds = seg.backward_roots()
+            if not core.post_process:
+                roots.append(seg.stage_output)
+                seeds.append(grad_out)
+            if roots:
+                torch.autograd.backward(roots, seeds)
+            return None if seg.stage_input is None else seg.stage_input.grad
+
+        like = seg.stage_output.detach() if not core.post_process else torch.zeros((), device=device)
+        out = _Bridge.apply(run, step_done(None), _anchor(core, device), like) if grad else like
+
+        def loss(hidden):
+            with torch.set_grad_enabled(grad):
+                lp = torch.cat(path.logprobs())
+                for b in step.branches:
+                    t, results[b] = S._branch_term(g, b, lp)
+                    if t is not None:
+                        terminal["loss"] = t if terminal.get("loss") is None else terminal["loss"] + t
+            return _loss(hidden.sum() if grad else hidden.new_zeros(()), n)
+
+        return out, loss
+
     def forward_step(data_iterator, model_):
         step = next(data_iterator)
+        if step.phase == "segment":
+            return segment(step)
+        if step.phase == "segment_backward":
+            return segment_backward(step)
         if step.phase == "replay":
-            ids, tgt = S.replay_inputs(g, step.branches, device)
+            path = snapshot()
+            ids, tgt = S.replay_inputs(g, step.branches, device, step.span[0])
             with torch.set_grad_enabled(grad):
-                out = core.forward_hidden(ids, S.replay_context(core, state, step, g, layout, grad))
+                out = core.forward_hidden(ids, S.replay_context(core, state, step, g, layout, grad, path))
                 if grad:
                     out = _StageOutput.apply(None, step_done(None), out)
 
             def loss(hidden):
                 with torch.set_grad_enabled(grad):
-                    total, res = S.branch_losses(core, hidden, tgt, step, g)
+                    total, res = S.branch_losses(core, hidden, tgt, step, g, path)
                 results.update(res)
                 return _loss(total if grad else hidden.new_zeros(()), n)
 
@@ -220,7 +341,8 @@ def execute_pipeline(model, plan: list[Step], g, state: PromptState, layout: CPL
             S.transition(state, step, layout)
             phase, i = ("capture" if step.phase == "finish_capture" else "replay"), i + 1
         else:
-            work = ("capture",) if step.phase == "capture" else ("replay", "prompt_backward")
+            work = ("capture",) if step.phase == "capture" else ("replay", "prompt_backward", "segment",
+                                                                  "segment_backward")
             j = i
             while j < len(plan) and plan[j].phase in work:
                 j += 1

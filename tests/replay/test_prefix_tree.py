@@ -10,8 +10,9 @@ index keys, top-k 4 of the tiny config):
   transformers' cache in tests/replay/test_detached_vs_hf_cache.py); the tree replays the trie's token
   count, counted here from distinct prefixes; scoring without autograd gives the same log-probs;
 - layouts against one rank (through Megatron DDP, both modes): Qwen TP=2 x CP=2, GLM TP=2 x CP=2
-  (4 ranks), GLM EP=2 x DP=2, each EP rank its own tree of the same shape (2 ranks). Pipeline
-  parallelism replays groups flat (replay.prefix_tree: pipeline size 1; tests/dist/test_pipeline.py).
+  (4 ranks); Qwen PP=2, GLM PP=2 with stages [1, 3] (the segments' kept graphs inside Megatron's 1F1B
+  schedule: replay/pipeline.py), GLM EP=2 x DP=2, each EP rank its own tree of the same shape (2 ranks);
+- memory: G=16 on a tree of depth 3 against the same group replayed flat.
 """
 
 from __future__ import annotations
@@ -134,8 +135,10 @@ def test_tree_tp2_cp2_both_families_equal_single_rank():
         check_steps(out, rank, prefix="tree ")
 
 
-def test_tree_glm_ep2_equal_single_rank():
-    for rank, out in enumerate(run_ranks(_layouts, 2, [("glm", "ep2 x dp2", dict(ep=2))], timeout_s=900)):
+def test_tree_pp2_both_families_and_glm_ep2_equal_single_rank():
+    for rank, out in enumerate(run_ranks(_layouts, 2, [("qwen", "pp2", dict(pp=2)),
+                                                       ("glm", "pp2 [1, 3]", dict(pp=2, pp_layers=[1, 3])),
+                                                       ("glm", "ep2 x dp2", dict(ep=2))], timeout_s=900)):
         check_steps(out, rank, prefix="tree ")
 
 
