@@ -50,20 +50,3 @@ def trie_tokens(responses) -> int:
     """The trie's token count, counted independently of replay/tree.py: distinct non-empty prefixes."""
     return len({tuple(r[:i]) for r in responses for i in range(1, len(r) + 1)})
 
-
-def balanced_tree(vocab: int, widths: tuple[int, ...], lengths: tuple[int, ...], gen) -> list[list[int]]:
-    """Responses of a full tree: `widths[d]` children per node at depth d, segments of `lengths[d]`
-    tokens (the last: the responses' own tails), e.g. widths (1, 2, 2, 4), lengths (24, 12, 6, 6): 16
-    responses of 48 tokens sharing a 24-token segment, then two of 12, four of 6."""
-    out: list[list[int]] = []
-
-    def grow(prefix, d):
-        if d == len(widths):
-            out.append(prefix)
-            return
-        first = torch.randperm(vocab, generator=gen)[:widths[d]].tolist()  # siblings start differently
-        for f in first:
-            grow(prefix + [f] + torch.randint(0, vocab, (lengths[d] - 1,), generator=gen).tolist(), d + 1)
-
-    grow([], 0)
-    return out

@@ -4,6 +4,12 @@
   python tools/bench_replay.py [--config configs/qwen3.6-tiny.yaml] [--prompt-lens 4096,16384,65536]
       [--response-lens 256,1024] [--group-sizes 2,8] [--modes detached,exact] [--naive-max-prompt 16384]
       [--naive-copies N] [--out bench.json] [key=value ...]    (e.g. replay.attn_probs_budget_mib=4096)
+  python tools/bench_replay.py --tree 1,2,2,4:24,24,6,10 --prompt-lens 4096 [--modes detached,exact]
+
+--tree WIDTHS:LENGTHS replaces each point's responses by a full prefix tree (widths[d] children per node
+at depth d, segments of lengths[d] tokens, the last the responses' own tails; the example: G=16
+responses of 64 tokens, 75% of their tokens shared) and runs every mode twice, as a tree
+(replay.prefix_tree=true) and flat (false): the FLOPs measured beside the analytic ratio.
 
 Per point: wall seconds per phase, FLOPs measured with torch.utils.flop_counter.FlopCounterMode beside
 the analytic count of this algorithm and the no-recompute minimum (longstraw_mcore/planner/flops.py),
@@ -104,6 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--naive-copies", type=int, default=0,
                    help="run naive on only this many of the G copies (0 = all) and scale its FLOPs and seconds by "
                         "G / copies: the copies are identical work (equal R), run one after another")
+    p.add_argument("--tree", default="", help="WIDTHS:LENGTHS of a full prefix tree (see above); overrides "
+                   "--response-lens and --group-sizes")
     p.add_argument("--skip", default="", help="semicolon-separated P:R:G:mode points to skip (time budget)")
     p.add_argument("--out", default="bench.json")
     p.add_argument("--peak-tflops", type=float, default=0.0,
@@ -123,7 +131,8 @@ def main(argv=None) -> int:
     from longstraw_mcore.loss.grpo import advantages, group_loss_fn
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.planner.flops import naive_flops, step_flops
-    from longstraw_mcore.replay.engine import stores_attention_probs
+    from longstraw_mcore.bench.trees import full_tree
+    from longstraw_mcore.replay.engine import replay_pieces, stores_attention_probs
     from longstraw_mcore.replay.group_step import process_group
     from longstraw_mcore.replay.reference import full_sequence_branches
 
@@ -141,22 +150,33 @@ def main(argv=None) -> int:
     skip = set(filter(None, a.skip.split(";")))
     rows = []
     gen = torch.Generator().manual_seed(0)
+    tree = None
+    if a.tree:
+        widths, lengths = ([int(x) for x in part.split(",")] for part in a.tree.split(":"))
+        if len(widths) != len(lengths) or min(widths + lengths) < 1:
+            raise SystemExit(f"--tree {a.tree}: WIDTHS:LENGTHS, as many positive widths as lengths")
+        tree = (widths, lengths)
+        a.response_lens, a.group_sizes = str(sum(lengths)), str(_prod(widths))
     for P in map(int, a.prompt_lens.split(",")):
         prompt = torch.randint(0, m.vocab_size, (P,), generator=gen).tolist()
         for R in map(int, a.response_lens.split(",")):
             for G in map(int, a.group_sizes.split(",")):
-                responses = [torch.randint(0, m.vocab_size, (R,), generator=gen).tolist() for _ in range(G)]
+                responses = (full_tree(m.vocab_size, *tree, gen) if tree else
+                             [torch.randint(0, m.vocab_size, (R,), generator=gen).tolist() for _ in range(G)])
                 group = RolloutGroup(prompt=prompt, responses=responses, rewards=[float(i % 3) for i in range(G)])
                 naive = None
-                for mode in a.modes.split(","):
+                for mode, as_tree in [(mo, t) for mo in a.modes.split(",") for t in ((True, False) if tree else (None,))]:
                     if f"{P}:{R}:{G}:{mode}" in skip:
                         continue
                     rcfg = type(cfg.replay)(**{**cfg.replay.__dict__, "mode": mode})
+                    if as_tree is not None:
+                        rcfg = type(cfg.replay)(**{**rcfg.__dict__, "prefix_tree": as_tree})
                     model.zero_grad(set_to_none=True)
                     st, secs, flops, peak = _measure(lambda: process_group(model, group, rcfg, cfg.grpo),
                                                      par.device)
                     store = stores_attention_probs(model, P - 1, rcfg, G if rcfg.batch_branches else 1, R)
-                    an = step_flops(family.layers, m, P, [R] * G, mode, rcfg.chunk_len, par.tp, store_probs=store)
+                    an = step_flops(family.layers, m, P, replay_pieces(model, responses, rcfg), mode, rcfg.chunk_len,
+                                    par.tp, store_probs=store)
                     if naive is None and P <= a.naive_max_prompt and G <= a.naive_max_group:
                         fn = group_loss_fn(group, cfg.grpo, advantages(group.rewards, cfg.grpo))
                         copies = a.naive_copies if 0 < a.naive_copies < G else G
@@ -167,7 +187,8 @@ def main(argv=None) -> int:
                         naive = {"seconds": nsecs * G / copies, "flops": nflops * G // copies, "peak_bytes": npeak,
                                  "copies_run": copies, "measured_flops_of_copies_run": nflops}
                     nan = naive_flops(family.layers, m, P, [R] * G, par.tp)
-                    row = {"P": P, "R": R, "G": G, "mode": mode, "chunk_len": rcfg.chunk_len,
+                    row = {"P": P, "R": R, "G": G, "mode": mode, "chunk_len": rcfg.chunk_len, "tree": as_tree,
+                           "replayed_tokens": st.replayed_tokens, "response_tokens": st.tokens,
                            "attn_probs_budget_mib": rcfg.attn_probs_budget_mib, "store_probs": store,
                            "seconds": secs, "phase_seconds": st.seconds,
                            "tokens_per_s": {"capture": (P - 1) / max(st.seconds.get("capture", 1e-9), 1e-9),
@@ -183,10 +204,26 @@ def main(argv=None) -> int:
                            "measured_ratio_naive_over_replay": (naive["flops"] / flops) if naive else None}
                     rows.append(row)
                     print(_fmt(row), flush=True)
+                    if as_tree is False:  # the flat run of the same group: the tree's measured and analytic ratios
+                        tr = rows[-2]
+                        tr["flat_over_tree"] = {"measured": flops / tr["flops_measured"],
+                                                "algorithm": an["algorithm"]["total"] / tr["flops_algorithm"]["total"],
+                                                "seconds": secs / tr["seconds"]}
+                        print(f"  tree vs flat ({tr['replayed_tokens']} of {tr['response_tokens']} response tokens "
+                              f"replayed): flat/tree FLOPs measured {tr['flat_over_tree']['measured']:.3f}, analytic "
+                              f"{tr['flat_over_tree']['algorithm']:.3f}; seconds {tr['flat_over_tree']['seconds']:.2f}",
+                              flush=True)
                     with open(a.out, "w") as f:
                         json.dump({"config": a.config, "device": str(par.device), "rows": rows}, f, indent=1)
     print(f"wrote {a.out}")
     return 0
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
 
 
 def print_table(path: str, config: str, overrides) -> int:
@@ -231,7 +268,8 @@ def _fmt(r) -> str:
               if r["measured_over_algorithm"] else "")
     analytic = (f", analytic ratio {r['analytic_ratio_naive_over_replay']:.2f}"
                 if r["analytic_ratio_naive_over_replay"] else "")
-    return (f"P={r['P']:>6} R={r['R']:>5} G={r['G']} {r['mode']:>8}: {r['seconds']:7.1f}s "
+    shape = {True: " tree", False: " flat"}.get(r.get("tree"), "")
+    return (f"P={r['P']:>6} R={r['R']:>5} G={r['G']} {r['mode']:>8}{shape}: {r['seconds']:7.1f}s "
             f"{'stored' if r['store_probs'] else 'recompute'} {r['flops_measured'] / 1e12:7.3f} TF "
             f"{ratios}peak {r['peak_bytes'] / 2**20:7.1f}MiB "
             f"state {r['state_bytes'] / 2**20:.2f}MiB, {r['tflops_per_s']:.3g} TFLOP/s"

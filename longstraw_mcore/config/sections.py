@@ -84,6 +84,12 @@ class RolloutConfig:
     """Every rank draws the same numbers for (seed, prompt index, step): layouts sample the same tokens."""
     max_prompt_len: int = 1 << 22
     """Prompts longer than this are refused before any model work."""
+    branch_at: list[int] = field(default_factory=list)
+    """Tree sampling (rollout/tree_sampler.py): token depths at which every response still running splits
+    into `branch_k` children; a group then holds up to group_size x branch_k ** len(branch_at)
+    responses, sharing their tokens before each split (replayed once in training: replay.prefix_tree)."""
+    branch_k: int = 2
+    """Children per branching point (with `branch_at`)."""
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
@@ -94,6 +100,14 @@ class RolloutConfig:
         if not isinstance(self.stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                           for t in self.stop_ids):
             raise ConfigError(f"rollout.stop_ids={self.stop_ids!r}: must be a list of token ids (integers >= 0)")
+        d = self.branch_at
+        if not (isinstance(d, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in d)
+                and all(a < b for a, b in zip([0] + d, d)) and (not d or d[-1] < self.max_tokens)):
+            raise ConfigError(f"rollout.branch_at={d!r}: must be strictly increasing token depths in [1, "
+                              f"rollout.max_tokens={self.max_tokens})")
+        if not (isinstance(self.branch_k, int) and not isinstance(self.branch_k, bool) and self.branch_k >= 2):
+            raise ConfigError(f"rollout.branch_k={self.branch_k!r}: must be an integer >= 2 (children per branching "
+                              "point)")
 
 
 @dataclass(kw_only=True)

@@ -81,15 +81,23 @@ def _layers(layers: dict, m):
     return [(i, layers[t].flops) for i, t in enumerate(m.layer_types)]
 
 
-def branch_flops(layers: dict, m, P: int, lengths: list[int], exact: bool, tp: int = 1, store_probs: bool = False,
+def pieces(lengths) -> list[tuple[int, int]]:
+    """(tokens, depth) of every replayed piece: a flat branch is (R, 0); a prefix tree's segments and
+    tails (replay/tree.py `tree_pieces`) start at their depth below the prompt. A piece is counted as
+    a branch of its tokens after P - 1 + depth positions (in detached mode the shared segments' keys
+    above it get gradients the count leaves out: O(tokens x depth) per attention layer)."""
+    return [(x, 0) if isinstance(x, int) else (int(x[0]), int(x[1])) for x in lengths]
+
+
+def branch_flops(layers: dict, m, P: int, lengths: list, exact: bool, tp: int = 1, store_probs: bool = False,
                  kind: str = "algorithm") -> float:
-    """The replay phase: every branch forward and backward against P - 1 captured positions, the output
-    layer on every branch token: its forward, and in the backward dX and dW, plus (algorithm) the
-    log-prob chunk's recompute."""
+    """The replay phase: every branch (or prefix-tree piece: `pieces`) forward and backward against
+    P - 1 captured positions, the output layer on every branch token: its forward, and in the backward
+    dX and dW, plus (algorithm) the log-prob chunk's recompute."""
     Pc, per = P - 1, _layers(layers, m)
     head_units = 3 if kind == "algorithm" else 2
-    return sum(sum(f.replay(m, tp, i, R, Pc, exact, store_probs, kind) for i, f in per)
-               + (1 + head_units) * _head(m, tp, R) for R in lengths)
+    return sum(sum(f.replay(m, tp, i, R, Pc + d, exact, store_probs, kind) for i, f in per)
+               + (1 + head_units) * _head(m, tp, R) for R, d in pieces(lengths))
 
 
 def forward_flops(layers: dict, m, P: int, lengths: list[int], tp: int = 1) -> float:
@@ -102,7 +110,8 @@ def forward_flops(layers: dict, m, P: int, lengths: list[int], tp: int = 1) -> f
 def step_flops(layers: dict, m, P: int, lengths: list[int], mode: str, chunk_len: int, tp: int = 1,
                store_probs: bool = False) -> dict:
     """{"algorithm": {phase: flops}, "minimum": {phase: flops}, "model_3x": {...}} for one group step of
-    branch replay (`layers`: the family's {layer type: LayerKind}).
+    branch replay (`layers`: the family's {layer type: LayerKind}; `lengths`: the branches' lengths, or
+    a prefix tree's (tokens, depth) pieces).
 
     `store_probs`: the branches keep their attention probabilities over the prompt (no score
     recompute in their backward; `replay.attn_probs_budget_mib`)."""
@@ -122,7 +131,8 @@ def step_flops(layers: dict, m, P: int, lengths: list[int], mode: str, chunk_len
     # The conventional model count: forward once, backward = 2 x forward for every matmul (attention
     # included, whether or not its keys need a gradient).
     conv = {"capture": out["minimum"]["capture"]}
-    conv["replay"] = 3 * sum(sum(f.forward(m, tp, i, R, Pc) for i, f in per) + _head(m, tp, R) for R in lengths)
+    conv["replay"] = 3 * sum(sum(f.forward(m, tp, i, R, Pc + d) for i, f in per) + _head(m, tp, R)
+                             for R, d in pieces(lengths))
     if exact:
         conv["prompt_backward"] = 3 * out["minimum"]["capture"]
     out["model_3x"] = conv

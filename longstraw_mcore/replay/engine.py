@@ -27,12 +27,13 @@ from longstraw_mcore.prompt_state.containers import PromptState
 from longstraw_mcore.replay.local import execute_local
 from longstraw_mcore.replay.pipeline import execute_pipeline
 from longstraw_mcore.replay.plan import Step, chunk_spans, plan_group, replay_steps, with_transitions
-from longstraw_mcore.replay.tree import build_tree, replayed_tokens as tree_tokens, shares, tree_steps
+from longstraw_mcore.replay.tree import build_tree, replayed_tokens as tree_tokens, shares, tree_pieces, tree_steps
 from longstraw_mcore.replay.steps import (BranchLoss, BranchResult, GroupInputs, core_of, new_state,
                                           prompt_is_frozen, same_schedule_over_ep, stores_attention_probs)
 
 __all__ = ["ReplayConfig", "BranchResult", "capture", "replay_branches", "run_group", "score_group", "make_leaves",
-           "stores_attention_probs", "execute", "group_replay_steps", "replayed_tokens"]
+           "stores_attention_probs", "execute", "group_replay_steps", "replayed_tokens",
+           "replay_pieces"]
 
 
 def execute(model, plan: list[Step], g: GroupInputs, state: PromptState | None = None, state_grad: bool = False):
@@ -70,6 +71,12 @@ def replayed_tokens(model, responses: list[list[int]], cfg: ReplayConfig) -> int
     """Response tokens a group's replay runs: each shared segment once (prefix tree), else every token."""
     root = _tree(model, responses, cfg)
     return tree_tokens(root, responses) if root is not None else sum(len(r) for r in responses)
+
+
+def replay_pieces(model, responses: list[list[int]], cfg: ReplayConfig) -> list[tuple[int, int]]:
+    """(tokens, depth) of what a group's replay runs (the FLOP model's input: planner/flops.py)."""
+    root = _tree(model, responses, cfg)
+    return tree_pieces(root, responses) if root is not None else [(len(r), 0) for r in responses]
 
 
 def _group(model, prompt: list[int], responses, loss_fn, cfg) -> GroupInputs:

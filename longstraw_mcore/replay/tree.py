@@ -91,6 +91,15 @@ def replayed_tokens(root: Node, responses: list[list[int]]) -> int:
     return (root.depth[1] - root.depth[0]) + own + sum(replayed_tokens(c, responses) for c in root.children)
 
 
+def tree_pieces(root: Node, responses: list[list[int]]) -> list[tuple[int, int]]:
+    """(tokens, depth) of every piece the tree replays: its segments and the responses' tails (what the
+    FLOP model counts: planner/flops.py `pieces`)."""
+    d = root.depth[1]
+    out = [(d - root.depth[0], root.depth[0])] if d > root.depth[0] else []
+    out += [(len(responses[b]) - d, d) for b in root.tails]
+    return out + [p for c in root.children for p in tree_pieces(c, responses)]
+
+
 def tree_steps(root: Node, batched: bool) -> list[Step]:
     """The depth-first replay steps of the tree: `segment` (index: the step's node number, span: its
     depth range, branches: its members), `replay` (span: (depth the tails start at, 0), branches: the

@@ -12,7 +12,8 @@ Under pipeline parallelism a step is one forward-only micro-batch through the st
 schedule, replay/pipeline.forward_once); the last stage picks the tokens and broadcasts them, with
 their log-probs, over the pipeline group, so every stage feeds the same ids to the next step.
 
-Each step replays the whole branch prefix (O(R^2) tokens per branch): the state is shared and
+With `rollout.branch_at` the group is sampled as a tree (rollout/tree_sampler.py). Each step replays the
+whole branch prefix (O(R^2) tokens per branch): the state is shared and
 read-only, and responses in RL post-training are short next to the prompt. Sampling is a function of
 the logits and of uniform numbers drawn from a generator keyed by (seed, prompt index) on every rank,
 so every rank of every layout picks the same tokens from the same logits, without communication;
@@ -115,6 +116,12 @@ def sample_group(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayCon
                         ReplayConfig(mode="detached", chunk_len=replay.chunk_len))
     layout = CPLayout.of(core.cp_group)
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
+    if cfg.branch_at:  # a tree: responses share their tokens before each split (rollout/tree_sampler.py)
+        from longstraw_mcore.rollout.tree_sampler import sample_tree
+
+        responses, logps = sample_tree(model, prompt, state, cfg, gen, layout,
+                                       lambda ids, ctx, u: _next_tokens(model, core, ids, ctx, cfg, u))
+        return SampledGroup(prompt=list(prompt), responses=responses, logprobs=logps, state=state)
     G, stop = cfg.group_size, set(cfg.stop_ids)
     seqs = [[prompt[-1]] for _ in range(G)]
     logps: list[list[float]] = [[] for _ in range(G)]

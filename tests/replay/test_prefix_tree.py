@@ -145,9 +145,8 @@ def test_tree_pp2_both_families_and_glm_ep2_equal_single_rank():
 def _memory(rank, world_size):
     import torch
     from hf_reference import tiny_model_config
-    from tree_groups import balanced_tree
-
     from longstraw_mcore.bench.memory import measure_memory
+    from longstraw_mcore.bench.trees import full_tree
     from longstraw_mcore.config import GRPOConfig, ReplayConfig
     from longstraw_mcore.data.rollouts import RolloutGroup
     from longstraw_mcore.families import get_family
@@ -160,7 +159,7 @@ def _memory(rank, world_size):
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, m.vocab_size, (64,), generator=g).tolist()
     widths, lengths = (1, 2, 2, 4), (24, 12, 6, 6)
-    grp = RolloutGroup(prompt=prompt, responses=balanced_tree(m.vocab_size, widths, lengths, g),
+    grp = RolloutGroup(prompt=prompt, responses=full_tree(m.vocab_size, widths, lengths, g),
                        rewards=[float(i % 3) for i in range(16)])
     out = {}
     for mode in ("detached", "exact"):

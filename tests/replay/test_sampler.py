@@ -7,6 +7,10 @@
     same tokens and another seed others;
   - TP=2, CP=2 and PP=2 sample the same tokens as TP=1 for the same seed, with the same log-probs
     (2 gloo ranks; at PP=2 the last stage picks and broadcasts), and `train --online` runs at PP=2;
+  - tree sampling (`rollout.branch_at` / `branch_k`, rollout/tree_sampler.py): at temperature 0 every
+    response equals greedy full-sequence decoding; sampled, the responses share exactly their tokens
+    before each split (group_size x branch_k ** len(branch_at) of them) and their recorded log-probs
+    equal scoring's (which replays them as a prefix tree); TP=2, CP=2 and PP=2 sample the same tree;
   - the task's reward, chance and length curriculum, and bad sampling or task input refused naming
     the value."""
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 
@@ -67,6 +72,14 @@ def _single_worker(rank, world_size):
         out[(config, "logprobs")] = max(abs(a - float(b)) for lp, ref in zip(s.logprobs, scored)
                                         for a, b in zip(lp, ref))
         out[(config, "hot")] = s.responses
+        # a tree: 2 trunks, each splitting in 2 at depths 2 and 4 (8 responses of 6 tokens)
+        tree = dict(group_size=2, max_tokens=6, branch_at=[2, 4], branch_k=2)
+        out[(config, "tree_greedy")] = (sample_group(model, prompt, dataclasses.replace(greedy, **tree), cfg.replay,
+                                                     index=0).responses, _greedy_reference(model, prompt, 6))
+        t = sample_group(model, prompt, dataclasses.replace(hot, **tree), cfg.replay, index=2)
+        scored, _ = score_group(model, prompt, t.responses, cfg.replay)
+        out[(config, "tree")] = (t.responses, max(abs(a - float(b)) for lp, ref in zip(t.logprobs, scored)
+                                                  for a, b in zip(lp, ref)))
         if config.startswith("qwen"):
             out["same_seed"] = sample_group(model, prompt, hot, cfg.replay, index=2).responses
             out["other_seed"] = sample_group(model, prompt, dataclasses.replace(hot, seed=6), cfg.replay, 2).responses
@@ -89,6 +102,17 @@ def test_sampling_equals_greedy_reference_and_scoring():
         assert got == [ref, ref]
         assert out[(config, "logprobs")] <= 1e-10
         assert len(set(map(tuple, out[(config, "hot")]))) > 1  # sampling, not argmax
+        tree_got, tree_ref = out[(config, "tree_greedy")]
+        assert tree_got == [tree_ref] * 8, (tree_got, tree_ref)
+        responses, worst = out[(config, "tree")]
+        print(f"{config}: tree {responses}; log-probs vs scoring {worst:.1e}")
+        assert worst <= 1e-10 and len(responses) == 8 and all(len(r) == 6 for r in responses)
+        for i, r in enumerate(responses):  # leaf i: trunk i // 4, first split child (i // 2) % 2
+            for j, q in enumerate(responses):
+                same = 6 if i == j else 4 if i // 2 == j // 2 else 2 if i // 4 == j // 4 else 0
+                assert r[:same] == q[:same]
+        assert len({tuple(r[:2]) for r in responses}) == 2 and len({tuple(r[:4]) for r in responses}) == 4
+        assert len({tuple(r[:5]) for r in responses}) > 4  # siblings diverge after a split (sampled)
     assert out["same_seed"] == out[("qwen3.6-tiny.yaml", "hot")]
     assert out["other_seed"] != out["same_seed"]
     assert out["top_p_greedy"][0] == out["top_p_greedy"][1]
@@ -117,6 +141,9 @@ def _layout_worker(rank, world_size, tmp):
         hot = dataclasses.replace(cfg.rollout, temperature=1.0, top_p=0.95, group_size=4, max_tokens=6, seed=9)
         s = sample_group(model, prompt, hot, cfg.replay, index=1)
         out[name] = (s.responses, s.logprobs)
+        t = sample_group(model, prompt, dataclasses.replace(hot, group_size=1, branch_at=[2, 4], branch_k=2),
+                         cfg.replay, index=1)
+        out[name + " tree"] = (t.responses, t.logprobs)
     # on-policy training at PP=2: the stages sample together, held-out reward is reduced over data parallel
     from longstraw_mcore.cli import main
 
@@ -138,8 +165,9 @@ def test_tp2_cp2_and_pp2_sample_the_same_tokens_as_tp1(tmp_path):
     assert [m["step"] for m in online] == [0, 1, 2] and 0.0 <= online[2]["heldout_reward"] <= 1.0
     assert all(m["groups"] == 2 and 24 * 2 <= m["prompt_tokens"] <= 32 * 2 for m in online[1:])  # curriculum start
     for rank, out in enumerate(outs):
-        assert set(out) == {"tp1", "tp2", "cp2", "pp2"}
+        assert set(out) == {x + t for x in ("tp1", "tp2", "cp2", "pp2") for t in ("", " tree")}
         for name, (tokens, lp) in out.items():
+            ref_tokens, ref_lp = outs[0]["tp1 tree" if name.endswith("tree") else "tp1"]
             assert tokens == ref_tokens, (rank, name)
             worst = max(abs(a - b) for x, y in zip(lp, ref_lp) for a, b in zip(x, y))
             assert worst <= 1e-10, (rank, name, worst)
@@ -187,8 +215,13 @@ def test_key_recall_task_and_bad_sampling_input():
     for overrides, want in [(["rollout.temperature=-0.5"], "rollout.temperature=-0.5: must be >= 0"),
                             (["rollout.top_p=0"], "rollout.top_p=0"), (["rollout.top_p=1.5"], "rollout.top_p=1.5"),
                             (["rollout.max_tokens=0"], "rollout.max_tokens=0: must be an integer >= 1"),
-                            (["rollout.stop_ids=[600]"], "rollout.stop_ids=[600]: [600] not below model.vocab_size=512")]:
-        with pytest.raises(ConfigError, match=want.replace("[", r"\[").replace("]", r"\]")):
+                            (["rollout.stop_ids=[600]"], "rollout.stop_ids=[600]: [600] not below model.vocab_size=512"),
+                            (["rollout.branch_at=[4,2]"], "rollout.branch_at=[4, 2]: must be strictly increasing"),
+                            (["rollout.branch_at=[0]"], "rollout.branch_at=[0]: must be strictly increasing token "
+                                                        "depths in [1, rollout.max_tokens=32)"),
+                            (["rollout.branch_at=[32]"], "rollout.branch_at=[32]"),
+                            (["rollout.branch_k=1"], "rollout.branch_k=1: must be an integer >= 2")]:
+        with pytest.raises(ConfigError, match=re.escape(want)):
             load_config(os.path.join(ROOT, "configs", "qwen3.6-tiny.yaml"), overrides)
     with pytest.raises(ConfigError, match="prompt 3: prompt of 9 tokens; rollout needs 2 to rollout.max_prompt_len=8"):
         check_prompt([5] * 9, RolloutConfig(max_prompt_len=8), 512, "prompt 3")
