@@ -91,8 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--config", default=None)
     pl.add_argument("--hf", default=None, help="take the model from this Hugging Face directory's config.json")
     pl.add_argument("--prompt-len", type=int, required=True)
-    pl.add_argument("--response-len", type=int, required=True)
-    pl.add_argument("--group-size", type=int, required=True)
+    pl.add_argument("--response-len", type=int, default=None, help="(or --tree)")
+    pl.add_argument("--group-size", type=int, default=None, help="(or --tree)")
+    pl.add_argument("--tree", default=None, help="WIDTHS:LENGTHS: the group as a full prefix tree (widths[d] children "
+                    "per node at depth d, segments of lengths[d] tokens): its shared segments replayed once")
     pl.add_argument("--gpus", type=int, required=True, help="ranks of the run (data parallel = the rest)")
     pl.add_argument("--device", default="H20-96GB",
                     help="device profile: H20-96GB, H20-141GB, H100-80GB, H200-141GB")

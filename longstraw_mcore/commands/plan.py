@@ -4,6 +4,7 @@ does (planner/memory.py, planner/timing.py). With --suggest, the fastest layout 
 fit (planner/suggest.py) and the overrides that run it. No process group, no Megatron, no allocation.
 
   longstraw plan --config CFG --prompt-len P --group-size G --response-len R --gpus N
+  longstraw plan --config CFG --prompt-len P --tree WIDTHS:LENGTHS --gpus N   (a prefix-tree group)
       [--device H20-96GB | H20-141GB | H100-80GB | H200-141GB] [--device-gib X] [--host-gib X]
       [--gpus-per-node N] [--efficiency F] [--suggest] [--json] [--png FILE] [key=value ...]
 
@@ -23,9 +24,12 @@ GIB = 2**30
 
 
 def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float | None, efficiency: float,
-         host_gib: float | None = None, gpus_per_node: int | None = None) -> dict:
+         host_gib: float | None = None, gpus_per_node: int | None = None, tree=None) -> dict:
     """The plan as the `--json` schema (ARCHITECTURE.md section 5) plus the host side, the inputs and
-    time per phase (`host_gib`: host memory per node, default planner/memory.HOST_GIB)."""
+    time per phase (`host_gib`: host memory per node, default planner/memory.HOST_GIB; `tree`: the group
+    as a full prefix tree (widths, lengths), planner/tree.py: its FLOPs and time count every shared
+    segment once, and the live path's segment states join the device memory; the largest prompt is
+    the flat group's)."""
     from longstraw_mcore.planner.memory import (GPUS_PER_NODE, HOST_GIB, device_profile, max_prompt_len, node_ranks,
                                                 phase_bytes, plan_both)
     from longstraw_mcore.planner.timing import plan_time
@@ -42,6 +46,17 @@ def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float 
     host_limit = int(host_gib * GIB)
     family = get_family(cfg.model.family)
     per, host = plan_both(family, cfg, P, R, G, gpus, cuda=True)  # the device profiles are GPUs
+    pieces = None
+    if tree is not None:
+        from longstraw_mcore.planner.tree import path_state_bytes, tree_pieces
+
+        pieces = tree_pieces(*tree)
+        stages, lo = cfg.parallel.stage_layers(cfg.model.num_layers), 0
+        worst = 0
+        for n in stages:
+            worst = max(worst, path_state_bytes(family, cfg, tree[1], cfg.model.layer_types[lo:lo + n]))
+            lo += n
+        per = dict(per, tree_segments=worst)
     total, host_total = sum(per.values()), sum(host.values())
     p, mem = cfg.parallel, cfg.memory
     out = {"per_rank_bytes": per, "total_per_rank_bytes": total, "device_bytes": dev.memory_bytes,
@@ -59,10 +74,13 @@ def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float 
                                  "state_dtype": mem.state_dtype, "optimizer_offload": mem.optimizer_offload,
                                  "mla_query_block": mem.mla_query_block},
                       "grad_reduction": cfg.train.grad_reduction, "adapter_rank": cfg.adapter.rank}}
+    if tree is not None:
+        out["inputs"]["tree"] = {"widths": list(tree[0]), "lengths": list(tree[1]), "response_tokens": G * R,
+                                 "replayed_tokens": sum(p[0] for p in pieces)}
     out["fits"] = out["fits_device"] and out["fits_host"]
     # time: a model (planner/timing.py): FLOPs at `efficiency` of the bf16 peak, transfers and the CPU
     # optimizer at constant rates, no communication
-    out.update(plan_time(family, cfg, P, R, G, gpus, dev.bf16_flops, efficiency, host))
+    out.update(plan_time(family, cfg, P, R, G, gpus, dev.bf16_flops, efficiency, host, pieces))
     out["time_model"] = ("an estimate, not a measurement: FLOPs at the given fraction of the bf16 peak, PCIe and CPU "
                          "Adam at constant rates, nothing overlapped, no communication (planner/timing.py)")
     return out
@@ -79,6 +97,10 @@ def table(res: dict) -> str:
              f"layout {i['layout']} on {i['gpus']} x {i['device']}, memory {i['memory']}, "
              f"grad_reduction={i['grad_reduction']}",
              "| component | device GiB per rank | host GiB per rank |", "|---|---|---|"]
+    if "tree" in i:
+        t = i["tree"]
+        lines.insert(1, f"prefix tree {t['widths']} x {t['lengths']}: {t['replayed_tokens']:,} of "
+                        f"{t['response_tokens']:,} response tokens replayed")
     host = res["host_per_rank_bytes"]
     keys = list(res["per_rank_bytes"]) + [k for k in host if k not in res["per_rank_bytes"]]
     lines += [f"| {k} | {res['per_rank_bytes'].get(k, 0) / GIB:.2f} | {host.get(k, 0) / GIB:.2f} |" for k in keys]
@@ -143,12 +165,24 @@ def run(args) -> int:
         folder = os.path.dirname(os.path.abspath(args.png))
         if not args.png.endswith(".png") or not os.path.isdir(folder):
             raise ConfigError(f"--png {args.png!r}: must name a .png file in an existing folder")
+    tree = None
+    if args.tree is not None:
+        from longstraw_mcore.planner.tree import parse_tree, responses_and_length
+
+        tree = parse_tree(args.tree)
+        G, R = responses_and_length(*tree)
+        if args.suggest or (args.group_size, args.response_len) not in ((None, None), (G, R)):
+            raise ConfigError(f"--tree {args.tree} (G={G}, R={R}): give it without --suggest (the search plans flat "
+                              f"groups) and without another --group-size / --response-len")
+        args.group_size, args.response_len = G, R
+    elif args.group_size is None or args.response_len is None:
+        raise ConfigError("plan: give --response-len and --group-size, or --tree WIDTHS:LENGTHS")
     cfg = load_run_config(args)
     if args.suggest:
         res, _ = _suggest(args, cfg)
     else:
         res = plan(cfg, args.prompt_len, args.response_len, args.group_size, args.gpus, args.device, args.device_gib,
-                   args.efficiency, args.host_gib, args.gpus_per_node)
+                   args.efficiency, args.host_gib, args.gpus_per_node, tree)
     if args.png:
         from longstraw_mcore.planner.chart import plan_chart
 

@@ -31,9 +31,12 @@ class LayerFlops(Protocol):
     def capture(self, m, tp: int, layer: int, chunks: list[tuple[int, int]], kind: str) -> float:
         """Every capture chunk [s, e) of the prompt, forward without autograd."""
 
-    def replay(self, m, tp: int, layer: int, R: int, Pc: int, exact: bool, store_probs: bool, kind: str) -> float:
+    def replay(self, m, tp: int, layer: int, R: int, Pc: int, exact: bool, store_probs: bool, kind: str,
+               path: tuple[int, ...] = (), seeded: bool = False) -> float:
         """One branch of R tokens after Pc captured positions, forward and backward (exact: the state's
-        gradient too; store_probs: its attention probabilities kept, no score recompute)."""
+        gradient too; store_probs: its attention probabilities kept, no score recompute); a prefix tree's
+        piece after the segments of lengths `path` (their state read with gradients), `seeded`: a
+        segment whose final state receives its children's gradient."""
 
     def recompute(self, m, tp: int, layer: int, s: int, e: int, last: bool, kind: str) -> float:
         """Exact mode: chunk [s, e) recomputed with autograd and back-propagated from its state's
@@ -81,12 +84,12 @@ def _layers(layers: dict, m):
     return [(i, layers[t].flops) for i, t in enumerate(m.layer_types)]
 
 
-def pieces(lengths) -> list[tuple[int, int]]:
-    """(tokens, depth) of every replayed piece: a flat branch is (R, 0); a prefix tree's segments and
-    tails (replay/tree.py `tree_pieces`) start at their depth below the prompt. A piece is counted as
-    a branch of its tokens after P - 1 + depth positions (in detached mode the shared segments' keys
-    above it get gradients the count leaves out: O(tokens x depth) per attention layer)."""
-    return [(x, 0) if isinstance(x, int) else (int(x[0]), int(x[1])) for x in lengths]
+def pieces(lengths) -> list[tuple[int, tuple[int, ...], bool]]:
+    """(tokens, the segment lengths on its path, seeded) of every replayed piece: a flat branch is
+    (R, (), False); a prefix tree's segments and tails (replay/tree.py `tree_pieces`) run after the
+    prompt and the segments above them, whose keys, latents and GDN state they read as leaves with
+    gradients (in both modes); a segment (`seeded`) also back-propagates its final GDN state."""
+    return [(x, (), False) if isinstance(x, int) else (int(x[0]), tuple(x[1]), bool(x[2])) for x in lengths]
 
 
 def branch_flops(layers: dict, m, P: int, lengths: list, exact: bool, tp: int = 1, store_probs: bool = False,
@@ -96,15 +99,15 @@ def branch_flops(layers: dict, m, P: int, lengths: list, exact: bool, tp: int = 
     dX and dW, plus (algorithm) the log-prob chunk's recompute."""
     Pc, per = P - 1, _layers(layers, m)
     head_units = 3 if kind == "algorithm" else 2
-    return sum(sum(f.replay(m, tp, i, R, Pc + d, exact, store_probs, kind) for i, f in per)
-               + (1 + head_units) * _head(m, tp, R) for R, d in pieces(lengths))
+    return sum(sum(f.replay(m, tp, i, R, Pc, exact, store_probs and not path, kind, path, seeded) for i, f in per)
+               + (1 + head_units) * _head(m, tp, R) for R, path, seeded in pieces(lengths))
 
 
 def forward_flops(layers: dict, m, P: int, lengths: list[int], tp: int = 1) -> float:
     """The branches' forward through the decoder layers only (visible pairs, the conventional count's
     forward): what memory.recompute=layer runs a second time in the backward."""
     Pc, per = P - 1, _layers(layers, m)
-    return float(sum(f.forward(m, tp, i, R, Pc) for R in lengths for i, f in per))
+    return float(sum(f.forward(m, tp, i, R, Pc + sum(path)) for R, path, _ in pieces(lengths) for i, f in per))
 
 
 def step_flops(layers: dict, m, P: int, lengths: list[int], mode: str, chunk_len: int, tp: int = 1,
@@ -131,8 +134,8 @@ def step_flops(layers: dict, m, P: int, lengths: list[int], mode: str, chunk_len
     # The conventional model count: forward once, backward = 2 x forward for every matmul (attention
     # included, whether or not its keys need a gradient).
     conv = {"capture": out["minimum"]["capture"]}
-    conv["replay"] = 3 * sum(sum(f.forward(m, tp, i, R, Pc + d) for i, f in per) + _head(m, tp, R)
-                             for R, d in pieces(lengths))
+    conv["replay"] = 3 * sum(sum(f.forward(m, tp, i, R, Pc + sum(path)) for i, f in per) + _head(m, tp, R)
+                             for R, path, _ in pieces(lengths))
     if exact:
         conv["prompt_backward"] = 3 * out["minimum"]["capture"]
     out["model_3x"] = conv

@@ -43,18 +43,25 @@ class GatedAttentionFlops:
         pairs = sum(attn_pairs(e - s, s, e, 0, m.attention_block, kind == "algorithm") for s, e in chunks)
         return 2.0 * W * Pc + self._unit(m, tp) * pairs * 2
 
-    def replay(self, m, tp, layer, R, Pc, exact, store_probs, kind):
+    def replay(self, m, tp, layer, R, Pc, exact, store_probs, kind, path=(), seeded=False):
         W, _ = self._weights(m, tp)
         blocked = kind == "algorithm"
-        pp = attn_pairs(R, Pc, Pc, 0, m.attention_block, blocked) if Pc else 0
-        own = attn_pairs(R, Pc, R, Pc, m.attention_block, blocked)
+        q0 = Pc + sum(path)
+        pp = attn_pairs(R, q0, Pc, 0, m.attention_block, blocked) if Pc else 0
+        # a prefix tree's segments above: one key set each, their keys with gradients (leaves)
+        seg, start = 0, Pc
+        for n in path:
+            seg += attn_pairs(R, q0, n, start, m.attention_block, blocked)
+            start += n
+        own = attn_pairs(R, q0, R, q0, m.attention_block, blocked)
         if blocked:
             prompt_bwd = (2 if store_probs else 3) + (2 if exact else 0)  # [recompute S,] dP, dQ (+ dK, dV)
             own_bwd = 5
         else:
             prompt_bwd, own_bwd = 2 + (2 if exact else 0), 4           # dP, dQ (+ dK, dV)
         u = self._unit(m, tp)
-        return 3 * 2.0 * W * R + u * (pp + own) * 2 + u * pp * prompt_bwd + u * own * own_bwd
+        return (3 * 2.0 * W * R + u * (pp + seg + own) * 2 + u * pp * prompt_bwd + u * seg * own_bwd
+                + u * own * own_bwd)
 
     def recompute(self, m, tp, layer, s, e, last, kind):
         W, pruned = self._weights(m, tp)
@@ -124,10 +131,12 @@ class GatedDeltaNetFlops:
         Pc = sum(e - s for s, e in chunks)
         return 2.0 * W * Pc + self._fwd(m, tp, Pc)
 
-    def replay(self, m, tp, layer, R, Pc, exact, store_probs, kind):
-        # the state entering a branch is a constant (detached) or a leaf (exact); its final state is dropped
+    def replay(self, m, tp, layer, R, Pc, exact, store_probs, kind, path=(), seeded=False):
+        # the state entering a branch is a constant (detached) or a leaf (exact, or a prefix tree's segment
+        # above it); its final state is dropped, except a segment's (its children's gradient arrives there)
         W, _ = self._weights(m, tp)
-        return 3 * 2.0 * W * R + self._fwd(m, tp, R) + self._bwd(m, tp, R, init_grad=exact and Pc > 0, final_grad=False)
+        init = (exact and Pc > 0) or bool(path)
+        return 3 * 2.0 * W * R + self._fwd(m, tp, R) + self._bwd(m, tp, R, init_grad=init, final_grad=seeded)
 
     def recompute(self, m, tp, layer, s, e, last, kind):
         W, pruned = self._weights(m, tp)

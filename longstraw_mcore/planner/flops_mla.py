@@ -101,8 +101,11 @@ class MLADSAFlops:
         return sum(self._call(m, tp, layer, e - s, s, e, kind, grad=False, rows=_stripe(e, tp) if tp > 1 else None)
                    for s, e in chunks)
 
-    def replay(self, m, tp, layer, R, Pc, exact, store_probs, kind):
-        return self._call(m, tp, layer, R, Pc, Pc + R, kind, grad=True, rows=_stripe(Pc, tp) + R if tp > 1 else None)
+    def replay(self, m, tp, layer, R, Pc, exact, store_probs, kind, path=(), seeded=False):
+        # a prefix tree's segments above: their latents replicated like the branch's own (not striped)
+        d = sum(path)
+        return self._call(m, tp, layer, R, Pc + d, Pc + d + R, kind, grad=True,
+                          rows=_stripe(Pc, tp) + d + R if tp > 1 else None)
 
     def recompute(self, m, tp, layer, s, e, last, kind):
         if not last:

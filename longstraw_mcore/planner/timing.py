@@ -71,13 +71,15 @@ def bubble(k: int, pp: int) -> float:
     return (k + pp - 1) / k if k > 0 else 1.0
 
 
-def phase_flops(family, cfg, P: int, R: int, G: int) -> dict:
+def phase_flops(family, cfg, P: int, R: int, G: int, pieces=None) -> dict:
     """{phase: FLOPs per rank}: capture, replay, prompt_backward (exact mode) and, with
-    memory.recompute=layer, recompute (the second forward)."""
+    memory.recompute=layer, recompute (the second forward); `pieces`: a prefix tree's (tokens, depth)
+    (planner/tree.py) instead of G branches of R tokens."""
     m, p, rc = cfg.model, cfg.parallel, cfg.replay
     exact = rc.mode == "exact"
-    full = _step(family, m, P, [R] * G, rc.mode, rc.chunk_len, p.tp)
-    replay, forward = _branches(family, m, -(-(P - 1) // p.cp) + 1, [R] * G, exact, p.tp)
+    lengths = list(pieces) if pieces is not None else [R] * G
+    full = _step(family, m, P, lengths, rc.mode, rc.chunk_len, p.tp)
+    replay, forward = _branches(family, m, -(-(P - 1) // p.cp) + 1, lengths, exact, p.tp)
     out = {"capture": full["capture"] / (p.pp * p.cp), "replay": replay / p.pp}
     if exact:
         out["prompt_backward"] = full["prompt_backward"] / (p.pp * p.cp)
@@ -109,14 +111,15 @@ def optimizer_offload_seconds(cfg, host: dict) -> float:
 
 
 def plan_time(family, cfg, P: int, R: int, G: int, world_size: int, flops_per_s: float, efficiency: float,
-              host: dict) -> dict:
+              host: dict, pieces=None) -> dict:
     """{"flops": {phase: per rank}, "seconds": {term: s, ..., "total": s}, "seconds_per_group": s} of
-    one group step (`flops_per_s`: the device's bf16 peak; `host`: plan_host's components)."""
+    one group step (`flops_per_s`: the device's bf16 peak; `host`: plan_host's components; `pieces`:
+    a prefix tree's, planner/tree.py)."""
     p = cfg.parallel
     peak = flops_per_s * efficiency
     n = -(-(P - 1) // cfg.replay.chunk_len)
-    passes = 1 if cfg.replay.batch_branches else G
-    flops = phase_flops(family, cfg, P, R, G)
+    passes = 1 if cfg.replay.batch_branches else (G if pieces is None else len(pieces))
+    flops = phase_flops(family, cfg, P, R, G, pieces)
     seconds = {"capture": flops["capture"] / peak * bubble(n, p.pp),
                "replay": flops["replay"] / peak * bubble(passes, p.pp)}
     if "prompt_backward" in flops:

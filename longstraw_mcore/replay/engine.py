@@ -76,7 +76,7 @@ def replayed_tokens(model, responses: list[list[int]], cfg: ReplayConfig) -> int
 def replay_pieces(model, responses: list[list[int]], cfg: ReplayConfig) -> list[tuple[int, int]]:
     """(tokens, depth) of what a group's replay runs (the FLOP model's input: planner/flops.py)."""
     root = _tree(model, responses, cfg)
-    return tree_pieces(root, responses) if root is not None else [(len(r), 0) for r in responses]
+    return tree_pieces(root, responses) if root is not None else [(len(r), (), False) for r in responses]
 
 
 def _group(model, prompt: list[int], responses, loss_fn, cfg) -> GroupInputs:

@@ -176,7 +176,7 @@ def replay_inputs(g: GroupInputs, bs: tuple[int, ...], device, depth: int = 0) -
 def replay_context(core, state: PromptState, step: Step, g: GroupInputs, layout, grad: bool, path=None) -> ReplayContext:
     depth = step.span[0]
     R = max(len(g.responses[b]) - depth for b in step.branches)
-    store = grad and path is None and stores_attention_probs(core, state.length, g.cfg, len(step.branches), R)
+    store = grad and (path is None or not path.stack) and stores_attention_probs(core, state.length, g.cfg, len(step.branches), R)
     return ReplayContext(state, batch=len(step.branches), store_probs=store, layout=layout, path=path)
 
 

@@ -91,13 +91,15 @@ def replayed_tokens(root: Node, responses: list[list[int]]) -> int:
     return (root.depth[1] - root.depth[0]) + own + sum(replayed_tokens(c, responses) for c in root.children)
 
 
-def tree_pieces(root: Node, responses: list[list[int]]) -> list[tuple[int, int]]:
-    """(tokens, depth) of every piece the tree replays: its segments and the responses' tails (what the
-    FLOP model counts: planner/flops.py `pieces`)."""
+def tree_pieces(root: Node, responses: list[list[int]], path: tuple[int, ...] = ()) -> list:
+    """(tokens, the segment lengths above it, is a segment) of every piece the tree replays: its
+    segments and the responses' tails (what the FLOP model counts: planner/flops.py `pieces`)."""
     d = root.depth[1]
-    out = [(d - root.depth[0], root.depth[0])] if d > root.depth[0] else []
-    out += [(len(responses[b]) - d, d) for b in root.tails]
-    return out + [p for c in root.children for p in tree_pieces(c, responses)]
+    out = [(len(responses[b]) - d, path, False) for b in root.tails]
+    for c in root.children:
+        n = c.depth[1] - c.depth[0]
+        out += [(n, path, True)] + tree_pieces(c, responses, path + (n,))
+    return out
 
 
 def tree_steps(root: Node, batched: bool) -> list[Step]:

@@ -2,7 +2,8 @@
 counts on the real code path, FLOP for FLOP: branch replay in both modes, with the attention
 probabilities recomputed or stored, naive full-sequence GRPO, at TP=1 and TP=2 (per rank), for
 prompt/branch lengths that are not multiples of the attention block, the GDN chunk or the capture
-chunk, a one-token branch and a one-token prompt. GLM-5.x (planner/flops_mla.py) likewise at TP=1 and
+chunk, a one-token branch and a one-token prompt, and a prefix tree of depth 2 (replay/tree.py, both
+modes: its segments' keys and GDN state read with gradients, their final GDN state seeded). GLM-5.x (planner/flops_mla.py) likewise at TP=1 and
 TP=2 (per rank), on the tiny GLM config at 4 layers (full and shared indexer layers, dense and MoE MLPs):
 both modes and naive, keys past the top-k and past an indexer block, a one-token prompt. The benchmark's "measured /
 minimum" ratios and `longstraw plan`'s FLOPs rest on this model, so it must be exact, not close."""
@@ -56,6 +57,19 @@ def _worker(rank, world_size):
             with FlopCounterMode(display=False) as fc:
                 full_sequence_branches(model, prompt, resp, fn, 32)
             rows.append((tp, P, "naive", 0.0, False, fc.get_total_flops(), naive_flops(get_family(m.family).layers, m, P, lens, tp)["algorithm"]))
+        # a prefix tree (replay/tree.py): exact mode counts every piece as a branch after its depth
+        from longstraw_mcore.bench.trees import full_tree
+        from longstraw_mcore.replay.engine import replay_pieces
+
+        tree = RolloutGroup(prompt=groups[140].prompt, responses=full_tree(m.vocab_size, (1, 2, 2), (9, 5, 7), g),
+                            rewards=[0.0, 1.0, 2.0, 0.5])
+        for mode in ("detached", "exact"):
+            rc = ReplayConfig(mode=mode, chunk_len=128, logprob_chunk=32)
+            model.zero_grad(set_to_none=True)
+            with FlopCounterMode(display=False) as fc:
+                process_group(model, tree, rc, gcfg)
+            an = step_flops(get_family(m.family).layers, m, 140, replay_pieces(model, tree.responses, rc), mode, 128, tp)
+            rows.append((tp, 140, f"{mode} tree", 0.0, False, fc.get_total_flops(), an["algorithm"]["total"]))
         # the budget is a threshold on the bytes: one byte short of a branch's probabilities = recompute
         heads = m.num_attention_heads // tp * m.layer_types.count("full_attention")
         need = heads * 40 * 139 * 4
@@ -121,6 +135,19 @@ def _glm_rows(root):
             with FlopCounterMode(display=False) as fc:
                 full_sequence_branches(model, prompt, resp, fn, 4)
             rows.append((tp, P, "naive", fc.get_total_flops(), naive_flops(family.layers, m, P, lens, tp)["algorithm"]))
+            if P == 30:  # a prefix tree: its segments' latents read by their children (replicated over TP)
+                from longstraw_mcore.bench.trees import full_tree
+                from longstraw_mcore.replay.engine import replay_pieces
+
+                tree = RolloutGroup(prompt=prompt, responses=full_tree(m.vocab_size, (1, 2, 2), (4, 3, 5), g),
+                                    rewards=[0.0, 1.0, 2.0, 0.5])
+                for mode in ("detached", "exact"):
+                    rc = ReplayConfig(mode=mode, chunk_len=12, logprob_chunk=4)
+                    model.zero_grad(set_to_none=True)
+                    with FlopCounterMode(display=False) as fc:
+                        process_group(model, tree, rc, gcfg)
+                    rows.append((tp, P, f"{mode} tree", fc.get_total_flops(), step_flops(
+                        family.layers, m, P, replay_pieces(model, tree.responses, rc), mode, 12, tp)["algorithm"]["total"]))
     return rows
 
 
@@ -131,10 +158,11 @@ def test_flop_model_equals_flop_counter():
     counts = [r for r in rows if r[1] != "threshold"]
     for tp, P, mode, budget, store, measured, analytic in counts:
         print(f"tp={tp} P={P} {mode:>8} store={store!s:>5}: FlopCounterMode {measured:,} analytic {analytic:,.0f}")
-    assert len(counts) == 2 * (4 + 1) + 2 * (2 + 1) + 2  # per tp: P=140 (2 modes x 2 budgets + naive), P=1 (2 + naive)
+    # per tp: P=140 (2 modes x 2 budgets + naive), P=1 (2 + naive), a prefix tree (2 modes); the GDN-last model
+    assert len(counts) == 2 * (4 + 1) + 2 * (2 + 1) + 2 + 2 * 2
     for tp, P, mode, budget, store, measured, analytic in counts:
         assert measured == analytic, (tp, P, mode, store, measured, analytic)
-        assert store == (budget > 0 and P > 1 and mode != "naive")
+        assert store == (budget > 0 and P > 1 and not mode.startswith("naive") and "tree" not in mode)
     # storing the probabilities removes exactly the score recompute: fewer FLOPs, same everything else
     by = {(tp, P, mode, store): measured for tp, P, mode, _, store, measured, _ in counts}
     for tp in (1, 2):
@@ -145,6 +173,6 @@ def test_flop_model_equals_flop_counter():
     glm = res["glm"]  # rank 0's: the largest TP rank, whose count the model gives
     for tp, P, mode, measured, analytic in glm:
         print(f"GLM tp={tp} P={P} {mode:>8}: FlopCounterMode {measured:,} analytic {analytic:,.0f}")
-    assert len(glm) == 3 * 3  # TP=1: P=30 and P=1, TP=2: P=30; each detached, exact, naive
+    assert len(glm) == 3 * 3 + 2 * 2  # TP=1: P=30 and P=1, TP=2: P=30; each detached, exact, naive; P=30 trees
     for tp, P, mode, measured, analytic in glm:
         assert measured == analytic and measured > 0, (tp, P, mode, measured, analytic)

@@ -191,3 +191,44 @@ def test_4m_config_fits_16_h20_and_the_png_chart(tmp_path):
     rc, _, err = _plan_cli("--config", os.path.join(ROOT, "configs/qwen3.6-27b.yaml"), "--prompt-len", "4096",
                            "--response-len", "256", "--group-size", "2", "--gpus", "4", "--png", str(tmp_path / "x" / "p.png"))
     assert rc == 2 and "must name a .png file in an existing folder" in err
+
+
+def test_plan_tree_counts_shared_segments_once():
+    """`longstraw plan --tree`: the planner's pieces are the replay's (replay/tree.py on the same tree's
+    responses), the replay FLOPs count every shared segment once (the flat group's are larger), the
+    live path's segment states join the device memory, and bad input is refused naming the value."""
+    import torch
+
+    from longstraw_mcore.bench.trees import full_tree
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.planner.flops import branch_flops
+    from longstraw_mcore.planner.tree import tree_pieces
+    from longstraw_mcore.replay import tree
+
+    widths, lengths = (1, 2, 2, 4), (24, 24, 6, 10)
+    responses = full_tree(512, widths, lengths, torch.Generator().manual_seed(0))
+    assert sorted(tree_pieces(widths, lengths)) == sorted(tree.tree_pieces(tree.build_tree(responses), responses))
+    q27 = os.path.join(ROOT, "configs/qwen3.6-27b.yaml")
+    common = ["--config", q27, "--prompt-len", "65536", "--gpus", "8", "--json", "parallel.tp=4", "parallel.cp=2"]
+    rc, out, _ = _plan_cli(*common[:-2], "--tree", "1,2,2,4:24,24,6,10", *common[-2:])
+    assert rc == 0
+    t = json.loads(out)
+    rc, out, _ = _plan_cli(*common[:-2], "--response-len", "64", "--group-size", "16", *common[-2:])
+    flat = json.loads(out)
+    assert t["inputs"]["tree"]["replayed_tokens"] == 256 and t["inputs"]["tree"]["response_tokens"] == 1024
+    assert (t["inputs"]["group_size"], t["inputs"]["response_len"]) == (16, 64)
+    cfg = _cfg("configs/qwen3.6-27b.yaml", "parallel.tp=4", "parallel.cp=2")
+    layers, P_cp = get_family(cfg.model.family).layers, -(-(65536 - 1) // 2) + 1
+    ratio = branch_flops(layers, cfg.model, P_cp, tree_pieces(widths, lengths), False, 4) / \
+        branch_flops(layers, cfg.model, P_cp, [64] * 16, False, 4)
+    assert t["flops"]["replay"] == pytest.approx(flat["flops"]["replay"] * ratio, rel=1e-12) and ratio < 0.3
+    assert t["flops"]["capture"] == flat["flops"]["capture"]
+    extra = t["per_rank_bytes"].pop("tree_segments")
+    assert 0 < extra < 2**30 and t["per_rank_bytes"] == flat["per_rank_bytes"]
+    for argv, want in [(("--tree", "1,2:3"), "--tree '1,2:3': must be WIDTHS:LENGTHS"),
+                       (("--tree", "2:0"), "--tree '2:0'"),
+                       (("--tree", "2,2:3,3", "--group-size", "5"), "without another --group-size"),
+                       (("--tree", "2,2:3,3", "--suggest"), "without --suggest"),
+                       ((), "give --response-len and --group-size, or --tree")]:
+        rc, _, err = _plan_cli("--config", q27, "--prompt-len", "4096", "--gpus", "8", *argv)
+        assert rc == 2 and want in err, (argv, err)
