@@ -6,13 +6,15 @@
 # the captured prompt state, scores them and trains; held-out greedy reward every 10 steps.
 # Writes runs/demo/metrics.jsonl, runs/demo/reward.png and checkpoints; prints the held-out reward
 # against chance (what a policy that ignores the prompt scores). About 7 minutes on 2 cores.
-#   bash scripts/demo.sh [--mode exact|detached] [--steps N] [--out DIR] [extra key=value overrides]
+# --config configs/demo-tool-lookup.yaml: the multi-turn demo (a loss-masked tool output between two turns).
+#   bash scripts/demo.sh [--config FILE] [--mode exact|detached] [--steps N] [--out DIR] [extra key=value overrides]
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-mode=exact steps=60 run="$repo/runs/demo"
+mode=exact steps=60 run="$repo/runs/demo" config=configs/demo-key-recall.yaml
 while [ $# -gt 0 ]; do
   case "$1" in
     --mode) mode=$2; shift 2;;
+    --config) config=$2; shift 2;;
     --steps) steps=$2; shift 2;;
     --out) run=$2; shift 2;;
     *) break;;
@@ -30,10 +32,10 @@ fi
 rm -rf "$run" && mkdir -p "$run"
 t0=$(date +%s)
 "$venv/bin/python" -m torch.distributed.run --standalone --nproc-per-node 2 \
-  -m longstraw_mcore train --config configs/demo-key-recall.yaml --online --steps "$steps" \
+  -m longstraw_mcore train --config "$config" --online --steps "$steps" \
   --save "$run/ckpt" --metrics-out "$run/metrics.jsonl" replay.mode="$mode" train.save_every="$steps" "$@"
-read -r chance lengths < <("$venv/bin/python" -c 'import sys; from longstraw_mcore.config import load_config; from longstraw_mcore.rollout.online import make_task
-c = load_config("configs/demo-key-recall.yaml", sys.argv[1:]); print(make_task(c).chance, f"{c.task.min_len}-{c.task.max_len}")' "$@")
+read -r chance lengths task < <("$venv/bin/python" -c 'import sys; from longstraw_mcore.config import load_config; from longstraw_mcore.rollout.online import make_task
+c = load_config(sys.argv[1], sys.argv[2:]); print(make_task(c).chance, f"{c.task.min_len}-{c.task.max_len}", c.task.name.replace("_", "-"))' "$config" "$@")
 "$venv/bin/python" - "$run/metrics.jsonl" "$mode" "$(( $(date +%s) - t0 ))" "$chance" "$lengths" <<'PY'
 import json, sys
 rows = [json.loads(x) for x in open(sys.argv[1]) if x.strip()]
@@ -46,4 +48,4 @@ print(f"[demo] {sys.argv[2]} mode, {rows[-1]['step']} steps in {sys.argv[3]} s: 
       f"{last / chance:.1f}x chance ({'>=' if last >= 5 * chance else 'below'} 5x)")
 PY
 "$venv/bin/python" tools/plot_rewards.py "$run/metrics.jsonl" --label "$mode" --out "$run/reward.png" --chance "$chance" \
-  --title "key recall, held-out prompts of $lengths tokens: on-policy GRPO with branch replay"
+  --title "$task, held-out prompts of $lengths tokens: on-policy GRPO with branch replay"

@@ -53,8 +53,9 @@ def run(args) -> int:
 
         src = OnlineGroups(cfg)
         prompts = [src.example(i) for i in range(args.task_prompts)]
+        task = src.task
     else:
-        prompts = _read_prompts(args.prompts, cfg)
+        prompts, task = _read_prompts(args.prompts, cfg), None
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise ConfigError(f"--out {args.out!r}: folder {out_dir} does not exist")
@@ -72,9 +73,17 @@ def run(args) -> int:
     mine = {}
     for i in range(me, len(prompts), dp):
         prompt, key = prompts[i]
-        sg = sample_group(model, prompt, cfg.rollout, cfg.replay, index=i)
-        rewards = [reward(r, key) if key else 0.0 for r in sg.responses]
-        mine[i] = {"prompt": prompt, "responses": sg.responses, "rewards": rewards, "old_logprobs": sg.logprobs}
+        if task is not None:  # the task's own episode (tool lookup: two turns, the tool's token loss-masked)
+            grp = task.rollout(model, prompt, key, cfg.rollout, cfg.replay, i)[0]
+            rewards = grp.rewards
+            mine[i] = {"prompt": prompt, "responses": grp.responses, "rewards": rewards,
+                       "old_logprobs": grp.old_logprobs}
+            if grp.loss_masks is not None:
+                mine[i]["loss_masks"] = grp.loss_masks
+        else:
+            sg = sample_group(model, prompt, cfg.rollout, cfg.replay, index=i)
+            rewards = [reward(r, key) if key else 0.0 for r in sg.responses]
+            mine[i] = {"prompt": prompt, "responses": sg.responses, "rewards": rewards, "old_logprobs": sg.logprobs}
         if (i // dp) % max(1, len(prompts) // dp // 10) == 0:
             rank0_print(f"[rollout] prompt {i + 1}/{len(prompts)}: {len(prompt)} tokens, mean reward "
                         f"{sum(rewards) / len(rewards):.3f}")

@@ -128,9 +128,11 @@ class OpsConfig:
 @dataclass(kw_only=True)
 class TaskConfig:
     """The built-in task `train --online` and `longstraw rollout --task-prompts` draw prompts from and score
-    (tasks/key_recall.py holds the task itself)."""
+    (tasks/key_recall.py and tasks/tool_lookup.py hold the tasks themselves)."""
 
-    name: Literal["key_recall"] = "key_recall"
+    name: Literal["key_recall", "tool_lookup"] = "key_recall"
+    """key_recall (tasks/key_recall.py) or tool_lookup (tasks/tool_lookup.py: two turns around a
+    loss-masked tool output; key_len and copies do not apply)."""
     min_len: int = 64
     max_len: int = 256
     """Prompt lengths (uniform in [min_len, max_len]): the held-out prompts, and training once any curriculum ends."""
@@ -182,10 +184,12 @@ class TaskConfig:
         lo, hi = (round(a * (b / a) ** frac) for a, b in zip(self.start_len, (self.min_len, self.max_len)))
         return lo, max(lo, hi)
 
-    def check_vocab(self, vocab_size: int) -> None:
-        need = 2 + self.n_values + 8  # token 0 unused, the marker, the values, at least 8 distractors
+    def check_vocab(self, vocab_size: int, extra: int = 0) -> None:
+        """`extra`: the task's own tokens besides the marker and the values (tool_lookup: call, none)."""
+        need = 2 + extra + self.n_values + 8  # token 0 unused, the marker, the values, at least 8 distractors
         if vocab_size < need:
-            raise ConfigError(f"model.vocab_size={vocab_size} is too small for key recall with task.n_values="
+            task = self.name.replace("_", " ")
+            raise ConfigError(f"model.vocab_size={vocab_size} is too small for {task} with task.n_values="
                               f"{self.n_values} (needs >= {need})")
 
 

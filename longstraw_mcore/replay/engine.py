@@ -51,11 +51,23 @@ def execute(model, plan: list[Step], g: GroupInputs, state: PromptState | None =
 
 def _tree(model, responses: list[list[int]], cfg: ReplayConfig):
     """The group's prefix tree when it replays as one (replay.prefix_tree, responses sharing tokens),
-    else None."""
-    if not cfg.prefix_tree or len(responses) < 2:
+    else None. Expert parallelism: the EP ranks' MoE all-to-alls need the same steps, so where the
+    ranks' groups (data parallel) would replay trees of different shapes, all of them replay flat (the
+    same numbers); an all_gather_object over the EP group decides, on every EP rank alike."""
+    if not cfg.prefix_tree:
         return None
-    root = build_tree(responses)
-    return root if shares(root) else None
+    root = build_tree(responses) if len(responses) >= 2 else None
+    root = root if root is not None and shares(root) else None
+    ep = getattr(core_of(model).pg_collection, "ep", None)
+    if ep is not None and ep.size() > 1:
+        import torch.distributed as dist
+
+        mine = None if root is None else [(s.phase, len(s.branches)) for s in tree_steps(root, cfg.batch_branches)]
+        every = [None] * ep.size()
+        dist.all_gather_object(every, mine, group=ep)
+        if any(e != mine for e in every):
+            return None
+    return root
 
 
 def group_replay_steps(model, responses: list[list[int]], cfg: ReplayConfig, order: list[int] | None = None):

@@ -107,7 +107,8 @@ def same_schedule_over_ep(core, plan: list[Step]) -> None:
             raise ValueError(f"expert-parallel ranks run different replay schedules (this rank: {len(mine)} steps, "
                              f"first {mine[:2]}; EP rank {r}: {len(theirs)} steps, first {theirs[:2]}): their "
                              "all-to-alls need lockstep; give the data-parallel ranks prompt groups with as many "
-                             "capture chunks (prompt length / replay.chunk_len) and branches")
+                             "capture chunks (prompt length / replay.chunk_len) and branches, and prefix trees of "
+                             "the same shape (or replay.prefix_tree=false)")
 
 
 def transition(state: PromptState, step: Step, layout: CPLayout | None) -> None:

@@ -1,6 +1,7 @@
 """On-policy prompt groups for `train --online`: each step, each data-parallel rank draws its prompts
 from the task, samples G responses per prompt from the current policy against the captured prompt
-state (rollout/sampler.py), scores them with the task's reward and hands them to the trainer with
+state (rollout/sampler.py; the task's `rollout`: one turn for key recall, two around a loss-masked
+tool output for tool lookup), scores them with the task's reward and hands them to the trainer with
 the sampled log-probs as `old_logprobs`.
 
 Prompt `idx` (global over steps and data-parallel ranks) comes from Random(task.seed, idx), so a
@@ -13,17 +14,17 @@ data-parallel ranks, and scored: the learning curve.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 from longstraw_mcore.config import RunConfig
 from longstraw_mcore.data.rollouts import RolloutGroup
-from longstraw_mcore.rollout.sampler import sample_group
-from longstraw_mcore.tasks.key_recall import KeyRecall, reward
+from longstraw_mcore.tasks.key_recall import KeyRecall
+from longstraw_mcore.tasks.tool_lookup import ToolLookup
 
 
-def make_task(cfg: RunConfig) -> KeyRecall:
-    return KeyRecall(cfg.task, cfg.model.vocab_size)
+def make_task(cfg: RunConfig):
+    """The task.name task (KeyRecall or ToolLookup) over the model's vocabulary."""
+    return (ToolLookup if cfg.task.name == "tool_lookup" else KeyRecall)(cfg.task, cfg.model.vocab_size)
 
 
 class OnlineGroups:
@@ -32,7 +33,7 @@ class OnlineGroups:
         self.states: dict = {}   # slot -> the prompt state its group was sampled against (adapter.prompt=frozen)
         self.reused = 0          # groups of the last call whose state came from an earlier step
 
-    def example(self, idx: int, lengths: tuple[int, int] | None = None) -> tuple[list[int], list[int]]:
+    def example(self, idx: int, lengths: tuple[int, int] | None = None) -> tuple[list[int], object]:
         return self.task.make(random.Random(self.cfg.task.seed * 1_000_003 + idx), lengths)
 
     def groups(self, model, step: int, dp_rank: int, dp: int, n: int) -> list[RolloutGroup]:
@@ -54,11 +55,11 @@ class OnlineGroups:
             prompt, key = self.example(idx, lengths)
             state = self.states.get(i)
             reused += state is not None
-            sg = sample_group(model, prompt, self.cfg.rollout, self.cfg.replay, index=idx * K + within, state=state)
+            group, st = self.task.rollout(model, prompt, key, self.cfg.rollout, self.cfg.replay, idx * K + within,
+                                          state)
             if keep:
-                self.states[i] = sg.state
-            out.append(RolloutGroup(prompt=prompt, responses=sg.responses,
-                                    rewards=[reward(r, key) for r in sg.responses], old_logprobs=sg.logprobs))
+                self.states[i] = st
+            out.append(group)
         self.reused = reused
         return out
 
@@ -67,10 +68,9 @@ class OnlineGroups:
         prompts r, r + dp, ..., and the sum is reduced over `dp_group` (the same number on every rank)."""
         from longstraw_mcore.parallel.reduce import all_reduce_sum
 
-        greedy = dataclasses.replace(self.cfg.rollout, temperature=0.0, group_size=1, max_tokens=self.cfg.task.key_len)
         n = self.cfg.task.eval_prompts
         total = 0.0
         for j in range(dp_group.rank(), n, dp_group.size()):
             prompt, key = self.example(-1 - j)
-            total += reward(sample_group(model, prompt, greedy, self.cfg.replay, index=-1 - j).responses[0], key)
+            total += self.task.greedy_reward(model, prompt, key, self.cfg.rollout, self.cfg.replay, -1 - j)
         return all_reduce_sum([total], dp_group, device)[0] / max(n, 1)

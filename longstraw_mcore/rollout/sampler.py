@@ -101,9 +101,12 @@ def _next_tokens(model, core, ids, ctx, cfg: RolloutConfig, u: torch.Tensor):
 
 @torch.no_grad()
 def sample_group(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayConfig, index: int = 0,
-                 state=None) -> SampledGroup:
+                 state=None, prefixes: list[list[int]] | None = None) -> SampledGroup:
     """G = cfg.group_size responses to `prompt` (prompt index `index` keys the random numbers), against
-    `state` (the prompt's captured state, reused: adapter.prompt=frozen) or a fresh capture."""
+    `state` (the prompt's captured state, reused: adapter.prompt=frozen) or a fresh capture.
+    `prefixes`: each branch's response so far, of one length (a multi-turn episode's earlier turns and
+    tool outputs: tasks/tool_lookup.py): sampling continues after them, the responses returned whole,
+    the log-probs of the sampled tokens only."""
     from longstraw_mcore.parallel.cp import CPLayout
     from longstraw_mcore.prompt_state.contexts import ReplayContext
     from longstraw_mcore.replay.engine import capture
@@ -116,6 +119,10 @@ def sample_group(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayCon
                         ReplayConfig(mode="detached", chunk_len=replay.chunk_len))
     layout = CPLayout.of(core.cp_group)
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
+    if prefixes is not None and (len(prefixes) != cfg.group_size or len({len(p) for p in prefixes}) != 1
+                                 or cfg.branch_at):
+        raise ValueError(f"sample_group: prefixes must be {cfg.group_size} lists of one length, without "
+                         f"rollout.branch_at; got lengths {[len(p) for p in prefixes]}")
     if cfg.branch_at:  # a tree: responses share their tokens before each split (rollout/tree_sampler.py)
         from longstraw_mcore.rollout.tree_sampler import sample_tree
 
@@ -123,7 +130,8 @@ def sample_group(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayCon
                                        lambda ids, ctx, u: _next_tokens(model, core, ids, ctx, cfg, u))
         return SampledGroup(prompt=list(prompt), responses=responses, logprobs=logps, state=state)
     G, stop = cfg.group_size, set(cfg.stop_ids)
-    seqs = [[prompt[-1]] for _ in range(G)]
+    seqs = [[prompt[-1]] + (list(prefixes[b]) if prefixes is not None else []) for b in range(G)]
+    skip = 1 + (len(prefixes[0]) if prefixes is not None else 0)
     logps: list[list[float]] = [[] for _ in range(G)]
     done = [False] * G
     for _ in range(cfg.max_tokens):
@@ -138,5 +146,5 @@ def sample_group(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayCon
                 done[b] = tok in stop
         if all(done):
             break
-    responses = [s[1:1 + len(lp)] for s, lp in zip(seqs, logps)]
+    responses = [s[1:skip + len(lp)] for s, lp in zip(seqs, logps)]
     return SampledGroup(prompt=list(prompt), responses=responses, logprobs=logps, state=state)

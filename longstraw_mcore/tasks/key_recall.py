@@ -63,6 +63,22 @@ class KeyRecall:
         return prompt, key
 
 
+    def rollout(self, model, prompt: list[int], key: list[int], rcfg, replay, index: int, state=None):
+        """One group: G responses sampled from the prompt's state and scored. Returns (group, state)."""
+        from longstraw_mcore.data.rollouts import RolloutGroup
+        from longstraw_mcore.rollout.sampler import sample_group
+
+        sg = sample_group(model, prompt, rcfg, replay, index=index, state=state)
+        return RolloutGroup(prompt=prompt, responses=sg.responses, rewards=[reward(r, key) for r in sg.responses],
+                            old_logprobs=sg.logprobs), sg.state
+
+    def greedy_reward(self, model, prompt: list[int], key: list[int], rcfg, replay, index: int) -> float:
+        import dataclasses
+
+        greedy = dataclasses.replace(rcfg, temperature=0.0, group_size=1, max_tokens=self.cfg.key_len)
+        return self.rollout(model, prompt, key, greedy, replay, index)[0].rewards[0]
+
+
 def reward(response: list[int], key: list[int]) -> float:
     """Fraction of the key's positions the response gets right (extra or missing tokens score 0)."""
     if not key:

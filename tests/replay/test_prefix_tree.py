@@ -11,7 +11,8 @@ index keys, top-k 4 of the tiny config):
   count, counted here from distinct prefixes; scoring without autograd gives the same log-probs;
 - layouts against one rank (through Megatron DDP, both modes): Qwen TP=2 x CP=2, GLM TP=2 x CP=2
   (4 ranks); Qwen PP=2, GLM PP=2 with stages [1, 3] (the segments' kept graphs inside Megatron's 1F1B
-  schedule: replay/pipeline.py), GLM EP=2 x DP=2, each EP rank its own tree of the same shape (2 ranks);
+  schedule: replay/pipeline.py), GLM EP=2 x DP=2, each EP rank its own tree of the same shape, and a
+  tree beside a flat group (the EP ranks then replay both flat: replay/engine.py `_tree`) (2 ranks);
 - memory: G=16 on a tree of depth 3 against the same group replayed flat.
 """
 
@@ -115,9 +116,13 @@ def _layouts(rank, world_size, layouts):
 
     out = {}
     models = {name: (m, full) for name, m, full in _models()}
-    for family, name, layout in layouts:
+    for family, name, layout, *mixed in layouts:
         m, full = models[family]
         groups = [tree_group(m, 13, seed=11), tree_group(m, 13, seed=12)]
+        if mixed:  # the second group flat (random responses sharing nothing): its EP partner's tree replays flat
+            from test_replay_equivalence import make_group
+
+            groups[1] = make_group(m, 13, [3, 1, 7, 2, 6, 1, 4, 8], seed=81)
         runs = []
         for lay in ({}, layout):
             mm = dataclasses.replace(m, index_block=3) if family == "glm" and lay else m
@@ -138,7 +143,9 @@ def test_tree_tp2_cp2_both_families_equal_single_rank():
 def test_tree_pp2_both_families_and_glm_ep2_equal_single_rank():
     for rank, out in enumerate(run_ranks(_layouts, 2, [("qwen", "pp2", dict(pp=2)),
                                                        ("glm", "pp2 [1, 3]", dict(pp=2, pp_layers=[1, 3])),
-                                                       ("glm", "ep2 x dp2", dict(ep=2))], timeout_s=900)):
+                                                       ("glm", "ep2 x dp2", dict(ep=2)),
+                                                       ("glm", "ep2 x dp2, a tree beside a flat group", dict(ep=2),
+                                                        True)], timeout_s=900)):
         check_steps(out, rank, prefix="tree ")
 
 

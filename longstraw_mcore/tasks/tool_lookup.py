@@ -1,0 +1,83 @@
+"""Tool lookup: a two-turn agent task whose tool output is context, not action (a loss-masked token),
+small enough for a CPU.
+
+    prompt    d d d ... d  M                        distractors and the marker: no information
+    turn 1    c                                     the policy's call: CALL asks the tool, anything else not
+    tool      v  (loss mask 0)                      the secret value if called with CALL, NONE otherwise
+    turn 2    a                                     the policy's answer
+    reward    1 if a == v (the secret), else 0
+
+The secret is uniform over `n_values` values and appears nowhere but in the tool's output, so a policy
+that does not call, or ignores what the tool wrote, scores at most 1 / n_values (`chance`). A response
+is [c, v, a] with loss mask [1, 0, 1]: the tool's token is never trained (its log-prob is still
+computed and reported). Every branch of a group that calls right shares [CALL, v]: the prefix tree
+replays that segment once (replay/tree.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+
+from longstraw_mcore.config import TaskConfig
+from longstraw_mcore.data.rollouts import RolloutGroup
+
+
+@dataclass(frozen=True)
+class ToolLookup:
+    cfg: TaskConfig
+    vocab_size: int
+    marker: int = 1
+    call: int = 2
+    none: int = 3
+
+    def __post_init__(self):
+        self.cfg.check_vocab(self.vocab_size, extra=2)
+
+    @property
+    def values(self) -> range:
+        return range(self.none + 1, self.none + 1 + self.cfg.n_values)
+
+    @property
+    def first_distractor(self) -> int:
+        return self.none + 1 + self.cfg.n_values
+
+    @property
+    def chance(self) -> float:
+        """The expected reward of the best policy that ignores the tool's output."""
+        return 1.0 / self.cfg.n_values
+
+    def make(self, rng: random.Random, lengths: tuple[int, int] | None = None) -> tuple[list[int], int]:
+        """(prompt, secret) for one example; the prompt's length is uniform in `lengths`."""
+        n = rng.randint(*(lengths or (self.cfg.min_len, self.cfg.max_len)))
+        secret = rng.choice(self.values)
+        return [rng.randrange(self.first_distractor, self.vocab_size) for _ in range(n - 1)] + [self.marker], secret
+
+    def tool(self, call: int, secret: int) -> int:
+        return secret if call == self.call else self.none
+
+    def rollout(self, model, prompt: list[int], secret: int, rcfg, replay, index: int, state=None):
+        """One group: G first turns sampled from the prompt's state, the tool's answers appended, G second
+        turns sampled after them (one token each). Returns (the group with its loss masks, the state)."""
+        from longstraw_mcore.rollout.sampler import sample_group
+
+        one = dataclasses.replace(rcfg, max_tokens=1, stop_ids=[])
+        first = sample_group(model, prompt, one, replay, index=2 * index, state=state)
+        tools = [[self.tool(r[0], secret)] for r in first.responses]
+        second = sample_group(model, prompt, one, replay, index=2 * index + 1, state=first.state,
+                              prefixes=[r + t for r, t in zip(first.responses, tools)])
+        responses = second.responses
+        # the tool's token: no loss term; its old log-prob (unused: masked) recorded as 0
+        old = [a + [0.0] + b for a, b in zip(first.logprobs, second.logprobs)]
+        group = RolloutGroup(prompt=prompt, responses=responses, rewards=[reward(r, secret) for r in responses],
+                             old_logprobs=old, loss_masks=[[1, 0, 1] for _ in responses])
+        return group, first.state
+
+    def greedy_reward(self, model, prompt: list[int], secret: int, rcfg, replay, index: int) -> float:
+        greedy = dataclasses.replace(rcfg, temperature=0.0, group_size=1)
+        return self.rollout(model, prompt, secret, greedy, replay, index)[0].rewards[0]
+
+
+def reward(response: list[int], secret: int) -> float:
+    return float(len(response) == 3 and response[2] == secret)
