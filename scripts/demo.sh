@@ -44,7 +44,7 @@ chance = float(sys.argv[4])
 first, last = held[0][1], held[-1][1]
 print(f"[demo] {sys.argv[2]} mode, {rows[-1]['step']} steps in {sys.argv[3]} s: held-out reward (prompts of "
       f"{sys.argv[5]} tokens) {first:.3f} at step 0 -> "
-      f"{last:.3f} at step {held[-1][0]}; chance (a policy ignoring the prompt) {chance:.3f}: "
+      f"{last:.3f} at step {held[-1][0]}; chance (a policy ignoring the context) {chance:.3f}: "
       f"{last / chance:.1f}x chance ({'>=' if last >= 5 * chance else 'below'} 5x)")
 PY
 "$venv/bin/python" tools/plot_rewards.py "$run/metrics.jsonl" --label "$mode" --out "$run/reward.png" --chance "$chance" \

@@ -184,9 +184,8 @@ class TaskConfig:
         lo, hi = (round(a * (b / a) ** frac) for a, b in zip(self.start_len, (self.min_len, self.max_len)))
         return lo, max(lo, hi)
 
-    def check_vocab(self, vocab_size: int, extra: int = 0) -> None:
-        """`extra`: the task's own tokens besides the marker and the values (tool_lookup: call, none)."""
-        need = 2 + extra + self.n_values + 8  # token 0 unused, the marker, the values, at least 8 distractors
+    def check_vocab(self, vocab_size: int) -> None:
+        need = 2 + self.n_values + 8  # token 0 unused, the marker, the values, at least 8 distractors
         if vocab_size < need:
             task = self.name.replace("_", " ")
             raise ConfigError(f"model.vocab_size={vocab_size} is too small for {task} with task.n_values="

@@ -2,16 +2,21 @@
 small enough for a CPU.
 
     prompt    d d d ... d  M                        distractors and the marker: no information
-    turn 1    c                                     the policy's call: CALL asks the tool, anything else not
-    tool      v  (loss mask 0)                      the secret value if called with CALL, NONE otherwise
+    turn 1    c                                     the policy's call (any token: the tool answers every call)
+    tool      v  (loss mask 0)                      the episode's secret value
     turn 2    a                                     the policy's answer
     reward    1 if a == v (the secret), else 0
 
 The secret is uniform over `n_values` values and appears nowhere but in the tool's output, so a policy
-that does not call, or ignores what the tool wrote, scores at most 1 / n_values (`chance`). A response
-is [c, v, a] with loss mask [1, 0, 1]: the tool's token is never trained (its log-prob is still
-computed and reported). Every branch of a group that calls right shares [CALL, v]: the prefix tree
-replays that segment once (replay/tree.py).
+that ignores what the tool wrote scores at most 1 / n_values (`chance`). A response is [c, v, a] with
+loss mask [1, 0, 1]: the tool's token is never trained (its log-prob is still computed and reported;
+trained, the policy would be taught to predict a random secret). Branches of a group that make the
+same call share [c, v]: the prefix tree replays that segment once (replay/tree.py).
+
+Measured (README): with the answer only rewarded after a call of one particular token, GRPO first
+learnt to make that call and, meanwhile, collapsed its answer onto one value (the prompt-ignoring
+optimum, 1 / n_values; its groups then had equal rewards and no gradient) before learning to copy;
+so every call is answered.
 """
 
 from __future__ import annotations
@@ -29,19 +34,17 @@ class ToolLookup:
     cfg: TaskConfig
     vocab_size: int
     marker: int = 1
-    call: int = 2
-    none: int = 3
 
     def __post_init__(self):
-        self.cfg.check_vocab(self.vocab_size, extra=2)
+        self.cfg.check_vocab(self.vocab_size)
 
     @property
     def values(self) -> range:
-        return range(self.none + 1, self.none + 1 + self.cfg.n_values)
+        return range(self.marker + 1, self.marker + 1 + self.cfg.n_values)
 
     @property
     def first_distractor(self) -> int:
-        return self.none + 1 + self.cfg.n_values
+        return self.marker + 1 + self.cfg.n_values
 
     @property
     def chance(self) -> float:
@@ -55,7 +58,8 @@ class ToolLookup:
         return [rng.randrange(self.first_distractor, self.vocab_size) for _ in range(n - 1)] + [self.marker], secret
 
     def tool(self, call: int, secret: int) -> int:
-        return secret if call == self.call else self.none
+        """The tool's answer to a call: the episode's secret."""
+        return secret
 
     def rollout(self, model, prompt: list[int], secret: int, rcfg, replay, index: int, state=None):
         """One group: G first turns sampled from the prompt's state, the tool's answers appended, G second

@@ -94,7 +94,7 @@ def _single_worker(rank, world_size):
             calling = dataclasses.replace(hot, group_size=6)
             grp, _ = task.rollout(model, tp_prompt, secret, calling, cfg.replay, 3)
             sc, _ = score_group(model, tp_prompt, grp.responses, cfg.replay)
-            out["tool"] = (grp, secret, task.call, task.none,
+            out["tool"] = (grp, secret,
                            max(abs(lp[i] - float(ref[i])) for lp, ref in zip(grp.old_logprobs, sc) for i in (0, 2)))
             out["same_seed"] = sample_group(model, prompt, hot, cfg.replay, index=2).responses
             out["other_seed"] = sample_group(model, prompt, dataclasses.replace(hot, seed=6), cfg.replay, 2).responses
@@ -128,10 +128,10 @@ def test_sampling_equals_greedy_reference_and_scoring():
                 assert r[:same] == q[:same]
         assert len({tuple(r[:2]) for r in responses}) == 2 and len({tuple(r[:4]) for r in responses}) == 4
         assert len({tuple(r[:5]) for r in responses}) > 4  # siblings diverge after a split (sampled)
-    grp, secret, call, none, worst = out["tool"]
+    grp, secret, worst = out["tool"]
     assert worst <= 1e-10 and grp.loss_masks == [[1, 0, 1]] * 6
     for r, rew in zip(grp.responses, grp.rewards):
-        assert len(r) == 3 and r[1] == (secret if r[0] == call else none) and rew == float(r[2] == secret)
+        assert len(r) == 3 and r[1] == secret and rew == float(r[2] == secret)
     assert out["same_seed"] == out[("qwen3.6-tiny.yaml", "hot")]
     assert out["other_seed"] != out["same_seed"]
     assert out["top_p_greedy"][0] == out["top_p_greedy"][1]
@@ -236,8 +236,8 @@ def test_key_recall_task_and_bad_sampling_input():
     tl = ToolLookup(TaskConfig(name="tool_lookup", min_len=20, max_len=30, n_values=8), vocab_size=32)
     p, secret = tl.make(random.Random(0))
     assert 20 <= len(p) <= 30 and p[-1] == tl.marker and all(x >= tl.first_distractor for x in p[:-1])
-    assert secret in tl.values and tl.tool(tl.call, secret) == secret and tl.tool(tl.call + 5, secret) == tl.none
-    assert tool_reward([tl.call, secret, secret], secret) == 1.0 and tool_reward([tl.call, secret, tl.none], secret) == 0
+    assert secret in tl.values and tl.tool(7, secret) == secret
+    assert tool_reward([7, secret, secret], secret) == 1.0 and tool_reward([7, secret, tl.marker], secret) == 0
     assert tl.chance == 1 / 8
     with pytest.raises(ConfigError, match="model.vocab_size=20 is too small for tool lookup with task.n_values=16"):
         ToolLookup(TaskConfig(name="tool_lookup"), vocab_size=20)
