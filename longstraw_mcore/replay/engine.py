@@ -27,12 +27,12 @@ from longstraw_mcore.prompt_state.containers import PromptState
 from longstraw_mcore.replay.local import execute_local
 from longstraw_mcore.replay.pipeline import execute_pipeline
 from longstraw_mcore.replay.plan import Step, chunk_spans, plan_group, replay_steps, with_transitions
-from longstraw_mcore.replay.tree import build_tree, replayed_tokens as tree_tokens, shares, tree_pieces, tree_steps
+from longstraw_mcore.replay.tree import build_tree, shares, tree_pieces, tree_steps
 from longstraw_mcore.replay.steps import (BranchLoss, BranchResult, GroupInputs, core_of, new_state,
                                           prompt_is_frozen, same_schedule_over_ep, stores_attention_probs)
 
 __all__ = ["ReplayConfig", "BranchResult", "capture", "replay_branches", "run_group", "score_group", "make_leaves",
-           "stores_attention_probs", "execute", "group_replay_steps", "replayed_tokens",
+           "stores_attention_probs", "execute", "group_replay_steps", "replayed_tokens", "steps_tokens",
            "replay_pieces"]
 
 
@@ -81,8 +81,14 @@ def group_replay_steps(model, responses: list[list[int]], cfg: ReplayConfig, ord
 
 def replayed_tokens(model, responses: list[list[int]], cfg: ReplayConfig) -> int:
     """Response tokens a group's replay runs: each shared segment once (prefix tree), else every token."""
-    root = _tree(model, responses, cfg)
-    return tree_tokens(root, responses) if root is not None else sum(len(r) for r in responses)
+    return steps_tokens(group_replay_steps(model, responses, cfg), responses)
+
+
+def steps_tokens(steps, responses: list[list[int]]) -> int:
+    """Response tokens the replay steps run: a segment's once, a replay step's from its depth on."""
+    return sum(st.span[1] - st.span[0] if st.phase == "segment" else
+               sum(len(responses[b]) - st.span[0] for b in st.branches) if st.phase == "replay" else 0
+               for st in steps)
 
 
 def replay_pieces(model, responses: list[list[int]], cfg: ReplayConfig) -> list[tuple[int, int]]:
@@ -122,14 +128,15 @@ def replay_branches(model, state: PromptState, prompt_last: int, responses: list
 
 
 def run_group(model, prompt: list[int], responses: list[list[int]], loss_fn: BranchLoss, cfg: ReplayConfig,
-              order: list[int] | None = None, timed: bool = False, state: PromptState | None = None):
+              order: list[int] | None = None, timed: bool = False, state: PromptState | None = None,
+              replay: list[Step] | None = None):
     """Capture, replay every branch with `loss_fn`, and (exact mode) the prompt backward. `state`: the
     prompt's state captured before (adapter.prompt=frozen: it holds no trainable weight), replayed
-    against without a capture.
+    against without a capture; `replay`: the group's replay steps decided before (group_replay_steps).
 
     Returns (results, state) or, with `timed`, (results, state, seconds per phase)."""
     t0 = time.perf_counter()
-    replay = group_replay_steps(model, responses, cfg, order)
+    replay = group_replay_steps(model, responses, cfg, order) if replay is None else replay
     if state is not None:
         if not prompt_is_frozen(model):
             raise ValueError("run_group(state=...): a captured state is reused only with adapter.prompt=frozen")

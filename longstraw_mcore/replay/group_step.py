@@ -18,7 +18,7 @@ from longstraw_mcore.config import GRPOConfig, ReplayConfig
 from longstraw_mcore.data.rollouts import RolloutGroup
 from longstraw_mcore.loss import dpo
 from longstraw_mcore.loss.grpo import advantages, group_loss_fn
-from longstraw_mcore.replay.engine import replayed_tokens, run_group, score_group
+from longstraw_mcore.replay.engine import group_replay_steps, run_group, score_group, steps_tokens
 
 
 @dataclass
@@ -88,13 +88,14 @@ def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConf
             group = replace(group, ref_logprobs=[lp.tolist() for lp in ref_lps])
         fn = group_loss_fn(group, gcfg, adv)
         loss = None
+    replay = group_replay_steps(model, group.responses, rcfg)  # (under EP: one collective decides the tree)
     results, state, seconds = run_group(model, group.prompt, group.responses, _scaled(fn, scale), rcfg, timed=True,
-                                        state=state)
+                                        state=state, replay=replay)
     per = [r.stats for r in results]
     stats.loss = loss if loss is not None else sum(s["loss"] for s in per)
     stats.tokens = sum(s["tokens"] for s in per)
     stats.trained_tokens = sum(s.get("trained", s["tokens"]) for s in per)
-    stats.replayed_tokens = replayed_tokens(model, group.responses, rcfg)
+    stats.replayed_tokens = steps_tokens(replay, group.responses)
     stats.clipped = sum(s["clipped"] for s in per)
     stats.kl_sum = sum(s["kl_sum"] for s in per)
     stats.state_bytes, stats.ref_state_bytes = state.nbytes(), ref_state_bytes

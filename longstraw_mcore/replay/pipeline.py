@@ -217,7 +217,7 @@ def _replay_and_sweep(core, model, steps: list[Step], g, state: PromptState, lay
     """Replay micro-batches (a prefix tree's segments among them), then (exact mode) the chunks'
     recomputes, in one schedule; returns the branch results on the last stage (empty elsewhere)."""
     from longstraw_mcore.prompt_state.contexts import SegmentContext
-    from longstraw_mcore.prompt_state.segments import Segment, SegmentPath
+    from longstraw_mcore.prompt_state.segments import SegmentPath
 
     grad = g.loss_fn is not None
     device = next(core.parameters()).device
@@ -238,10 +238,7 @@ def _replay_and_sweep(core, model, steps: list[Step], g, state: PromptState, lay
         return done
 
     def segment(step):
-        a, b = step.span
-        ids, tgt = S.replay_inputs(g, step.branches[:1], device, a)
-        ids, tgt = ids[:, :b - a], tgt[:, :b - a]
-        seg = Segment(start=state.length + a, length=b - a)
+        ids, tgt, seg = S.segment_inputs(state, step, g, device)
         path = snapshot()
         with torch.set_grad_enabled(grad):
             seg.stage_input = None if core.pre_process else core.decoder.input_tensor
@@ -265,7 +262,6 @@ def _replay_and_sweep(core, model, steps: list[Step], g, state: PromptState, lay
         terminal = {}
 
         def run(grad_out):
-            roots, seeds = [], []
             if terminal.get("loss") is not None:
                 terminal["loss"].backward()  # the terminal responses' terms reach the path's log-prob leaves
             if seg.stage_input is not None:
@@ -283,11 +279,8 @@ def _replay_and_sweep(core, model, steps: list[Step], g, state: PromptState, lay
 
         def loss(hidden):
             with torch.set_grad_enabled(grad):
-                lp = torch.cat(path.logprobs())
-                for b in step.branches:
-                    t, results[b] = S._branch_term(g, b, lp)
-                    if t is not None:
-                        terminal["loss"] = t if terminal.get("loss") is None else terminal["loss"] + t
+                terminal["loss"], res = S.terminal_terms(g, path, step.branches)
+            results.update(res)
             return _loss(hidden.sum() if grad else hidden.new_zeros(()), n)
 
         return out, loss

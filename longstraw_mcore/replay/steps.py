@@ -219,17 +219,34 @@ def replay_step(core, state: PromptState, step: Step, g: GroupInputs, device, la
     return out
 
 
+def segment_inputs(state: PromptState, step: Step, g: GroupInputs, device):
+    """A prefix tree's segment step (replay/tree.py): its inputs and targets [1, b - a] (its first
+    member's tokens at depths a..b) and the empty record its layers will fill."""
+    from longstraw_mcore.prompt_state.segments import Segment
+
+    a, b = step.span
+    ids, tgt = replay_inputs(g, step.branches[:1], device, a)
+    return ids[:, :b - a], tgt[:, :b - a], Segment(start=state.length + a, length=b - a)
+
+
+def terminal_terms(g: GroupInputs, path, branches):
+    """The loss terms of the responses ending at the segment on top of `path` (their whole log-probs
+    are the path's): (their sum or None, {branch: BranchResult})."""
+    lp = torch.cat(path.logprobs())
+    total, out = None, {}
+    for b in branches:
+        t, out[b] = _branch_term(g, b, lp)
+        total = t if total is None else total + t
+    return total, out
+
+
 def segment_forward(core, state: PromptState, path, step: Step, g: GroupInputs, device, layout) -> None:
     """A prefix tree's shared segment (replay/tree.py): replayed once below `path` (with autograd when
     there is a loss), its layers' state recorded, sealed into leaves and pushed on the path."""
     from longstraw_mcore.prompt_state.contexts import SegmentContext
-    from longstraw_mcore.prompt_state.segments import Segment
 
     grad = g.loss_fn is not None
-    a, b = step.span
-    ids, tgt = replay_inputs(g, step.branches[:1], device, a)
-    ids, tgt = ids[:, :b - a], tgt[:, :b - a]
-    seg = Segment(start=state.length + a, length=b - a)
+    ids, tgt, seg = segment_inputs(state, step, g, device)
     with torch.set_grad_enabled(grad):
         hidden = core.forward_hidden(ids, SegmentContext(state, path, seg, layout))
         logp = core.token_logprobs(hidden, tgt, g.cfg.logprob_chunk)[0]
@@ -241,12 +258,8 @@ def segment_backward(core, path, step: Step, g: GroupInputs) -> dict[int, Branch
     """After a segment's children: the loss terms of the responses ending at it, then its one backward
     (seeded with what its children and those terms sent into its leaves); pops it off the path."""
     grad = g.loss_fn is not None
-    out, total = {}, None
     with torch.set_grad_enabled(grad):
-        lp = torch.cat(path.logprobs())
-        for b in step.branches:
-            t, out[b] = _branch_term(g, b, lp)
-            total = t if total is None else total + t
+        total, out = terminal_terms(g, path, step.branches)
         if total is not None:
             total.backward()
     seg = path.stack.pop()

@@ -22,7 +22,8 @@ A segment [a, b) of responses y runs the inputs y[a-1] .. y[b-2] (prompt[-1] for
 P-1+a .. P-2+b and scores the targets y[a:b]; a child starting at depth b runs y[b-1] .. at P-1+b.
 Every response still gets its whole log-prob vector and one loss term over it: the segments'
 log-probs enter it as leaves, whose gradients the segment's backward takes on (the chain rule, so
-any per-response objective is exact). `replayed_tokens` counts each segment's tokens once.
+any per-response objective is exact). The replay runs each segment's tokens once
+(replay/engine.py `steps_tokens`).
 """
 
 from __future__ import annotations
@@ -82,13 +83,6 @@ def build_tree(responses: list[list[int]]) -> Node:
 def shares(root: Node) -> bool:
     """Whether any two responses share a token (otherwise the tree is the flat group)."""
     return bool(root.children)
-
-
-def replayed_tokens(root: Node, responses: list[list[int]]) -> int:
-    """Tokens the tree replays: every segment once, every tail once (`response_tokens` counts each
-    response whole)."""
-    own = sum(len(responses[b]) - root.depth[1] for b in root.tails)
-    return (root.depth[1] - root.depth[0]) + own + sum(replayed_tokens(c, responses) for c in root.children)
 
 
 def tree_pieces(root: Node, responses: list[list[int]], path: tuple[int, ...] = ()) -> list:

@@ -33,14 +33,18 @@ class _Branch:
     start: int = 0                  # depth of its last split (0: the prompt)
     path: list = field(default_factory=list)   # the shared segments above it (prompt_state/segments.Segment)
 
+    def inputs(self, prompt_last: int) -> list[int]:
+        """What it runs since its last split: the token before it (prompt[-1] at the prompt), its own."""
+        return [self.tokens[self.start - 1] if self.start else prompt_last] + self.tokens[self.start:]
 
-def _segment(model, core, state, layout, b: _Branch, first: int, device):
+
+def _segment(model, core, state, layout, b: _Branch, prompt_last: int, device):
     """Branch `b`'s tokens since its last split as a shared segment below its path (no autograd)."""
     from longstraw_mcore.prompt_state.contexts import SegmentContext
     from longstraw_mcore.prompt_state.segments import Segment, SegmentPath
 
     depth = len(b.tokens)
-    ids = torch.tensor([[first] + b.tokens[b.start:depth - 1]], device=device)
+    ids = torch.tensor([b.inputs(prompt_last)[:-1]], device=device)
     seg = Segment(start=state.length + b.start, length=depth - b.start)
     path = SegmentPath()
     path.stack = list(b.path)
@@ -73,7 +77,7 @@ def sample_tree(model, prompt: list[int], state, cfg, gen: torch.Generator, layo
         if t in splits:
             grown = []
             for b in live:
-                path = _segment(model, core, state, layout, b, b.tokens[b.start - 1] if b.start else prompt[-1], device)
+                path = _segment(model, core, state, layout, b, prompt[-1], device)
                 step = b.span // cfg.branch_k
                 grown += [_Branch(b.leaf + c * step, step, list(b.tokens), list(b.logprobs), t, path)
                           for c in range(cfg.branch_k)]
@@ -85,8 +89,7 @@ def sample_tree(model, prompt: list[int], state, cfg, gen: torch.Generator, layo
         still = []
         for group in by_path.values():
             # siblings: the same path and split depth, so the same first input and length
-            ids = torch.tensor([[b.tokens[b.start - 1] if b.start else prompt[-1]] + b.tokens[b.start:]
-                                for b in group], device=device)
+            ids = torch.tensor([b.inputs(prompt[-1]) for b in group], device=device)
             path = SegmentPath()
             path.stack = list(group[0].path)
             ctx = ReplayContext(state, batch=len(group), store_probs=False, layout=layout, path=path)

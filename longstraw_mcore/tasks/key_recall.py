@@ -23,33 +23,13 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from longstraw_mcore.config import TaskConfig
+from longstraw_mcore.tasks.vocabulary import TaskVocabulary
 
 
 @dataclass(frozen=True)
-class KeyRecall:
+class KeyRecall(TaskVocabulary):
     """The task of `cfg` (task.* in a run config: lengths, key length, values, copies; checked there) over a
-    model vocabulary of `vocab_size` tokens."""
-
-    cfg: TaskConfig
-    vocab_size: int
-    marker: int = 1
-
-    def __post_init__(self):
-        self.cfg.check_vocab(self.vocab_size)
-
-    @property
-    def values(self) -> range:
-        return range(self.marker + 1, self.marker + 1 + self.cfg.n_values)
-
-    @property
-    def first_distractor(self) -> int:
-        return self.marker + 1 + self.cfg.n_values
-
-    @property
-    def chance(self) -> float:
-        """The expected reward of the best policy that ignores the prompt."""
-        return 1.0 / self.cfg.n_values
+    model vocabulary of `vocab_size` tokens (tasks/vocabulary.py: marker, values, distractors)."""
 
     def make(self, rng: random.Random, lengths: tuple[int, int] | None = None) -> tuple[list[int], list[int]]:
         """(prompt, key) for one example; its length is uniform in `lengths` (default: [min_len, max_len])."""

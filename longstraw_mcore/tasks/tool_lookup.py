@@ -25,31 +25,13 @@ import dataclasses
 import random
 from dataclasses import dataclass
 
-from longstraw_mcore.config import TaskConfig
 from longstraw_mcore.data.rollouts import RolloutGroup
+from longstraw_mcore.tasks.vocabulary import TaskVocabulary
 
 
 @dataclass(frozen=True)
-class ToolLookup:
-    cfg: TaskConfig
-    vocab_size: int
-    marker: int = 1
-
-    def __post_init__(self):
-        self.cfg.check_vocab(self.vocab_size)
-
-    @property
-    def values(self) -> range:
-        return range(self.marker + 1, self.marker + 1 + self.cfg.n_values)
-
-    @property
-    def first_distractor(self) -> int:
-        return self.marker + 1 + self.cfg.n_values
-
-    @property
-    def chance(self) -> float:
-        """The expected reward of the best policy that ignores the tool's output."""
-        return 1.0 / self.cfg.n_values
+class ToolLookup(TaskVocabulary):
+    """The task of `cfg` over a model vocabulary of `vocab_size` tokens (tasks/vocabulary.py)."""
 
     def make(self, rng: random.Random, lengths: tuple[int, int] | None = None) -> tuple[list[int], int]:
         """(prompt, secret) for one example; the prompt's length is uniform in `lengths`."""

@@ -13,6 +13,31 @@ from __future__ import annotations
 from longstraw_mcore.launch_local import run_ranks
 
 
+def _tree_rows(model, family, m, prompt, lengths, g, chunk: int, logprob_chunk: int, tp: int):
+    """[(mode, FlopCounterMode's count, the analytic count)] of a depth-2 prefix tree (widths 1, 2, 2, segments
+    of `lengths`) after `prompt`, both modes (replay/tree.py; the FLOP model's pieces)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from longstraw_mcore.bench.trees import full_tree
+    from longstraw_mcore.config import GRPOConfig, ReplayConfig
+    from longstraw_mcore.data.rollouts import RolloutGroup
+    from longstraw_mcore.planner.flops import step_flops
+    from longstraw_mcore.replay.engine import replay_pieces
+    from longstraw_mcore.replay.group_step import process_group
+
+    tree = RolloutGroup(prompt=prompt, responses=full_tree(m.vocab_size, (1, 2, 2), lengths, g),
+                        rewards=[0.0, 1.0, 2.0, 0.5])
+    out = []
+    for mode in ("detached", "exact"):
+        rc = ReplayConfig(mode=mode, chunk_len=chunk, logprob_chunk=logprob_chunk)
+        model.zero_grad(set_to_none=True)
+        with FlopCounterMode(display=False) as fc:
+            process_group(model, tree, rc, GRPOConfig())
+        an = step_flops(family.layers, m, len(prompt), replay_pieces(model, tree.responses, rc), mode, chunk, tp)
+        out.append((mode, fc.get_total_flops(), an["algorithm"]["total"]))
+    return out
+
+
 def _worker(rank, world_size):
     import torch
     from torch.utils.flop_counter import FlopCounterMode
@@ -57,19 +82,10 @@ def _worker(rank, world_size):
             with FlopCounterMode(display=False) as fc:
                 full_sequence_branches(model, prompt, resp, fn, 32)
             rows.append((tp, P, "naive", 0.0, False, fc.get_total_flops(), naive_flops(get_family(m.family).layers, m, P, lens, tp)["algorithm"]))
-        # a prefix tree (replay/tree.py): exact mode counts every piece as a branch after its depth
-        from longstraw_mcore.bench.trees import full_tree
-        from longstraw_mcore.replay.engine import replay_pieces
-
-        tree = RolloutGroup(prompt=groups[140].prompt, responses=full_tree(m.vocab_size, (1, 2, 2), (9, 5, 7), g),
-                            rewards=[0.0, 1.0, 2.0, 0.5])
-        for mode in ("detached", "exact"):
-            rc = ReplayConfig(mode=mode, chunk_len=128, logprob_chunk=32)
-            model.zero_grad(set_to_none=True)
-            with FlopCounterMode(display=False) as fc:
-                process_group(model, tree, rc, gcfg)
-            an = step_flops(get_family(m.family).layers, m, 140, replay_pieces(model, tree.responses, rc), mode, 128, tp)
-            rows.append((tp, 140, f"{mode} tree", 0.0, False, fc.get_total_flops(), an["algorithm"]["total"]))
+        # a prefix tree (replay/tree.py): its pieces after their paths' segments
+        for mode, measured, analytic in _tree_rows(model, get_family(m.family), m, groups[140].prompt, (9, 5, 7), g,
+                                                   128, 32, tp):
+            rows.append((tp, 140, f"{mode} tree", 0.0, False, measured, analytic))
         # the budget is a threshold on the bytes: one byte short of a branch's probabilities = recompute
         heads = m.num_attention_heads // tp * m.layer_types.count("full_attention")
         need = heads * 40 * 139 * 4
@@ -136,18 +152,8 @@ def _glm_rows(root):
                 full_sequence_branches(model, prompt, resp, fn, 4)
             rows.append((tp, P, "naive", fc.get_total_flops(), naive_flops(family.layers, m, P, lens, tp)["algorithm"]))
             if P == 30:  # a prefix tree: its segments' latents read by their children (replicated over TP)
-                from longstraw_mcore.bench.trees import full_tree
-                from longstraw_mcore.replay.engine import replay_pieces
-
-                tree = RolloutGroup(prompt=prompt, responses=full_tree(m.vocab_size, (1, 2, 2), (4, 3, 5), g),
-                                    rewards=[0.0, 1.0, 2.0, 0.5])
-                for mode in ("detached", "exact"):
-                    rc = ReplayConfig(mode=mode, chunk_len=12, logprob_chunk=4)
-                    model.zero_grad(set_to_none=True)
-                    with FlopCounterMode(display=False) as fc:
-                        process_group(model, tree, rc, gcfg)
-                    rows.append((tp, P, f"{mode} tree", fc.get_total_flops(), step_flops(
-                        family.layers, m, P, replay_pieces(model, tree.responses, rc), mode, 12, tp)["algorithm"]["total"]))
+                rows += [(tp, P, f"{mode} tree", measured, analytic)
+                         for mode, measured, analytic in _tree_rows(model, family, m, prompt, (4, 3, 5), g, 12, 4, tp)]
     return rows
 
 
