@@ -4,7 +4,8 @@
 #   1 smoke       `longstraw smoke`, tiny model, bf16 (count_parameters / grad_norm on NCCL)
 #   2 train       `longstraw train`, tiny, bf16, exact mode, 3 steps with a checkpoint -> train_metrics.jsonl
 #   2b offload    `longstraw train` with memory.optimizer_offload (Megatron's HybridDeviceOptimizer), layer
-#                 recompute and the prompt state in host memory; tools/plan_vs_measured.py --points cuda:
+#                 recompute and the prompt state in host memory; micro_step with memory.grad_offload (pinned
+#                 gradient staging); tools/plan_vs_measured.py --points cuda:
 #                 the memory-switch points, device and host bytes planned against measured
 #   3 validate    `longstraw validate`, tiny, float64, exact, the same HF weights on CUDA and on CPU;
 #                 tools/compare_validate.py -> validate_compare.json (loss, log-probs, grads <= 1e-10)
@@ -74,6 +75,12 @@ step train_offload $lt train --config $tiny --rollouts "$work/rollouts.jsonl" --
   --metrics-out "$out/train_offload_metrics.jsonl" device=$dev model.dtype=bfloat16 replay.mode=exact \
   replay.chunk_len=64 train.lr=1e-3 train.grad_reduction=$offload_red memory.optimizer_offload=true \
   memory.recompute=layer memory.state_offload=true
+# no full-size gradient on the device: micro_step shards, gradients staged in pinned host memory as
+# autograd completes them (memory/grad_stage.py), the optimizer on the host too
+step train_grad_offload $lt train --config $tiny --rollouts "$work/rollouts.jsonl" --steps 2 \
+  --metrics-out "$out/train_grad_offload_metrics.jsonl" device=$dev model.dtype=bfloat16 replay.mode=exact \
+  replay.chunk_len=64 train.lr=1e-3 train.grad_reduction=micro_step memory.grad_offload=true \
+  memory.optimizer_offload=true train.grad_bucket_mib=1
 if [ "$dev" = cuda ]; then
   step plan_vs_measured_switches $py tools/plan_vs_measured.py --points cuda --out "$out/plan_vs_measured_cuda.json"
 fi

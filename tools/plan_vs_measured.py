@@ -11,7 +11,10 @@ prompt state, exact mode's state gradient, the worst phase's activations. With t
 so "host" is told apart by ownership: the host side is the prompt state's homes (memory/staging.py)
 and exact mode's state gradients made from them, counted storage by storage from the live state
 (they are allocated before the step's worst moment and alive through it); the device side is the
-profiler's peak minus those bytes. On CUDA (scripts/gpu_check.sh) the allocator counts device bytes
+profiler's peak minus those bytes. memory.grad_offload's host buffers and shards (memory/grad_stage.py,
+train/zero2.py) are allocated before the step, so the step's peak does not contain them: they are
+the host side as counted by the holder, and the device side is the peak as measured (the buckets
+the reduction builds, the gradients autograd is still making). On CUDA (scripts/gpu_check.sh) the allocator counts device bytes
 only and the host side is the same storage count.
   cpu   measured here: 2 gloo ranks, the tiny configs at several layouts, P, R, G, dtypes and both modes;
         PyTorch's profiler counts every CPU tensor allocation (bench/memory.measure_memory), the CPU twin
@@ -82,6 +85,15 @@ CPU_POINTS = [
     ("glm tiny f32 exact (4 layers), recompute + offload + MLA query blocks", "configs/glm-5.2-tiny.yaml",
      ["model.num_layers=4", "replay.mode=exact", "memory.recompute=layer", "memory.state_offload=true",
       "memory.mla_query_block=16"], 400, 64, 2, []),
+    # train.grad_reduction=micro_step through its holder (train/zero2.py), data parallel over the 2 ranks
+    ("qwen tiny f32 detached, micro_step", "configs/qwen3.6-tiny.yaml",
+     ["replay.mode=detached", "train.grad_reduction=micro_step"], 300, 96, 4, []),
+    ("qwen tiny f32 detached, micro_step + grad offload, buckets of 0.125 MiB", "configs/qwen3.6-tiny.yaml",
+     ["replay.mode=detached", "train.grad_reduction=micro_step", "memory.grad_offload=true",
+      "train.grad_bucket_mib=0.125"], 300, 96, 4, []),
+    ("qwen tiny bf16 exact chunk 96, micro_step + grad offload + recompute", "configs/qwen3.6-tiny.yaml",
+     ["model.dtype=bfloat16", "replay.mode=exact", "replay.chunk_len=96", "train.grad_reduction=micro_step",
+      "memory.grad_offload=true", "train.grad_bucket_mib=0.125", "memory.recompute=layer"], 300, 96, 4, []),
 ]
 
 
@@ -119,18 +131,29 @@ def _cpu_worker(rank, world_size, points, device: str = "cpu"):
         group = RolloutGroup(prompt=prompt, responses=responses, rewards=[float(b % 3) for b in range(G)])
         apply(model, cfg.memory)
         model.zero_grad(set_to_none=True)
+        holder, holder_host = model, 0
+        if cfg.train.grad_reduction == "micro_step":  # the shards (and grad_offload's host buffers) exist
+            from longstraw_mcore.train.trainer import build_training  # before the step: not in its peak
+
+            holder = build_training(model, cfg, par)[0]
+            holder_host = holder.host_bytes()
+
+        def step():
+            process_group(holder, group, cfg.replay, cfg.grpo)
+            if holder is not model:
+                holder.finish()
         states = []
         gc.collect()  # what the previous point left in reference cycles is freed now, not inside this measure
         with _keep_states(states):
-            _, peak, _, how = measure_memory(lambda: process_group(model, group, cfg.replay, cfg.grpo),
-                                             torch.device(device))
+            _, peak, _, how = measure_memory(step, torch.device(device))
         host = sum(host_bytes(st) for st in states)  # alive through the whole step, so inside its peak
         fam = get_family(cfg.model.family)
         out.append({"name": name, "where": f"{device} ({world_size} rank{'s' if world_size > 1 else ''})",
                     "config": config, "overrides": overrides + layout, "P": P, "R": R, "G": G,
                     "mode": cfg.replay.mode, "measured_bytes": peak - host if device == "cpu" else peak, "how": how,
                     "planned_bytes": step_peak_bytes(fam, cfg, P, R, G, world_size, cuda=device == "cuda"),
-                    "measured_host_bytes": host, "planned_host_bytes": step_host_bytes(fam, cfg, P, R, G, world_size)})
+                    "measured_host_bytes": host + holder_host,
+                    "planned_host_bytes": step_host_bytes(fam, cfg, P, R, G, world_size)})
     return out
 
 

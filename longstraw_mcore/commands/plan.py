@@ -72,7 +72,7 @@ def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float 
                       "mode": cfg.replay.mode, "device": dev.name, "efficiency": efficiency,
                       "memory": {"recompute": mem.recompute, "state_offload": mem.state_offload,
                                  "state_dtype": mem.state_dtype, "optimizer_offload": mem.optimizer_offload,
-                                 "mla_query_block": mem.mla_query_block},
+                                 "grad_offload": mem.grad_offload, "mla_query_block": mem.mla_query_block},
                       "grad_reduction": cfg.train.grad_reduction, "adapter_rank": cfg.adapter.rank}}
     if tree is not None:
         out["inputs"]["tree"] = {"widths": list(tree[0]), "lengths": list(tree[1]), "response_tokens": G * R,

@@ -28,6 +28,11 @@ class MemoryConfig:
     optimizer_offload: bool = False
     """fp32 master weights and Adam moments in host memory and the update on the CPU: Megatron's
     HybridDeviceOptimizer (train.grad_reduction=step) or host-resident shards (micro_step)."""
+    grad_offload: bool = False
+    """train.grad_reduction=micro_step: no full-size gradient on the device. Each parameter's gradient
+    is copied to a host buffer (pinned on CUDA) the moment autograd completes it in a backward and its
+    `.grad` freed; a micro-step's reduce-scatter brings it back one bucket (train.grad_bucket_mib) at a
+    time, and the float32 shards it adds into live in host memory (memory/grad_stage.py)."""
     mla_query_block: int = 0
     """GLM's sparse MLA in replay and the exact sweep: queries in blocks of this many, each block's
     selected latents recomputed in its backward (activations O(block x top-k), not O(R x top-k));
@@ -36,7 +41,7 @@ class MemoryConfig:
     def __post_init__(self):
         check_choices(self, "memory")
         check_ints(self, "memory", ("mla_query_block",), low=0, words="an integer >= 0 (0: one block)")
-        for name in ("state_offload", "optimizer_offload"):
+        for name in ("state_offload", "optimizer_offload", "grad_offload"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"memory.{name}={getattr(self, name)!r}: must be true or false")
         staged = [n for n, on in (("memory.state_offload=true", self.state_offload),
@@ -57,6 +62,10 @@ class MemoryConfig:
             raise ConfigError("memory.optimizer_offload with train.grad_reduction=step runs Megatron-Core's "
                               "HybridDeviceOptimizer, which offloads CUDA parameters only; with device=cpu use "
                               "train.grad_reduction=micro_step (its shards in host memory) or optimizer_offload=false")
+        if self.grad_offload and grad_reduction != "micro_step":
+            raise ConfigError(f"memory.grad_offload with train.grad_reduction={grad_reduction!r}: Megatron DDP keeps a "
+                              "full-size gradient buffer on the device by construction; use train.grad_reduction="
+                              "micro_step (gradients staged in host memory, reduce-scattered bucket by bucket)")
         if self.state_dtype == "fp8" and dtype == "float64":
             raise ConfigError("memory.state_dtype=fp8 with model.dtype=float64: fp8 state is for bf16/fp32 runs "
                               "(float64 runs are the exactness references); use state_dtype=model")

@@ -213,9 +213,17 @@ class TrainConfig:
     optimizer. `micro_step`: every micro-step's gradients reduce-scattered over data x context
     parallel ranks as autograd produces them and kept as float32 shards (ZeRO-2; train/zero2.py),
     AdamW on the shards: no rank holds a full-size gradient between micro-steps."""
+    grad_bucket_mib: float = 64.0
+    """micro_step: parameters reduce-scattered together, about this many MiB of float32 gradient per
+    collective (a bucket closes at the parameter that reaches it); with memory.grad_offload the largest
+    gradient the reduction brings to the device at once."""
 
     def __post_init__(self):
         check_choices(self, "train")
+        if not (isinstance(self.grad_bucket_mib, (int, float)) and not isinstance(self.grad_bucket_mib, bool)
+                and self.grad_bucket_mib > 0):
+            raise ConfigError(f"train.grad_bucket_mib={self.grad_bucket_mib!r}: must be a number > 0 (MiB per "
+                              "reduce-scatter)")
         if self.lr <= 0 or self.groups_per_step < 1 or self.save_every < 0 or self.clip_grad < 0:
             raise ConfigError(f"train.lr={self.lr}, train.groups_per_step={self.groups_per_step}, "
                               f"train.save_every={self.save_every}, train.clip_grad={self.clip_grad}: need lr > 0, "

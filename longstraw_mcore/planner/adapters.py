@@ -27,11 +27,11 @@ def _mine(s, layers: range, last_stage: bool) -> bool:
     return last_stage if s.layer is None else s.layer in layers
 
 
-def adapter_params(sites, cfg, tp: int, ep: int, layers: range, last_stage: bool) -> int:
-    """This rank's adapter elements (all its experts' on its EP share)."""
+def _adapter_pairs(sites, cfg, tp: int, layers: range, last_stage: bool):
+    """(A elements, B elements, site) of every adapter on this rank's stage, split over tp as attach builds
+    them: column projections split B, row projections split A."""
     a = cfg.adapter
     targets = set(a.resolved_targets({s.target: s.shape for s in sites}))
-    n = 0
     for s in sites:
         if s.target not in targets or not _mine(s, layers, last_stage):
             continue
@@ -41,8 +41,18 @@ def adapter_params(sites, cfg, tp: int, ep: int, layers: range, last_stage: bool
             B //= tp
         elif s.kind == "row":
             A //= tp
-        n += (A + B) if s.expert is None else (A + B) / ep
-    return int(n)
+        yield A, B, s
+
+
+def adapter_params(sites, cfg, tp: int, ep: int, layers: range, last_stage: bool) -> int:
+    """This rank's adapter elements (all its experts' on its EP share)."""
+    return int(sum((A + B) if s.expert is None else (A + B) / ep
+                   for A, B, s in _adapter_pairs(sites, cfg, tp, layers, last_stage)))
+
+
+def largest_adapter(sites, cfg, tp: int, layers: range, last_stage: bool) -> int:
+    """Elements of this rank's largest adapter tensor (one A or B)."""
+    return max((max(A, B) for A, B, _ in _adapter_pairs(sites, cfg, tp, layers, last_stage)), default=0)
 
 
 def projection_params(sites, tp: int, ep: int, layers: range) -> int:

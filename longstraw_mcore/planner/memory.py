@@ -15,8 +15,10 @@ stage and TP rank):
                      replicated; the embedding on the first stage, the output layer on the last
     gradients        train.grad_reduction=step: Megatron DDP's buffer, one value per parameter (float32
                      below float32 models: grad_reduce_in_fp32); micro_step: the float32 shards,
-                     1/(dp cp) of it, plus one micro-step's gradients in the model dtype before they are
-                     reduce-scattered (unchanged by memory.optimizer_offload)
+                     1/(dp cp) of it, one bucket's send buffer and reduce-scatter output, and what one
+                     micro-step's gradient in the model dtype adds to the activations' peak
+                     (micro_step_gradients; unchanged by memory.optimizer_offload); with
+                     memory.grad_offload the buckets alone
     optimizer        Adam's two moments in float32, and a float32 master copy below float32 models;
                      sharded over dp x cp with the distributed optimizer or micro_step; 0 on the device
                      with memory.optimizer_offload (then on the host, below)
@@ -50,6 +52,9 @@ stage and TP rank):
 Host, per rank (pinned on CUDA; a node holds min(ranks, gpus per node) ranks, each counted as the
 largest; not counted: the process itself, the CUDA context, data loading, checkpoint I/O):
 
+    gradients        memory.grad_offload (micro_step): one micro-step's gradients in the model dtype
+                     (n x e, staged as autograd completes them)
+    gradient_shards  memory.grad_offload: the float32 shards they are reduce-scattered into (n x 4 / shards)
     optimizer        memory.optimizer_offload: the optimizer term above (moments + float32 master copy)
     optimizer_grads  memory.optimizer_offload: Megatron's HybridDeviceOptimizer keeps a float32 copy of
                      this rank's gradient shard for the CPU update: n x 4 / shards with the distributed
@@ -115,12 +120,12 @@ def _layer_of(name: str) -> int | None:
     return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
 
 
-def rank_params(family, m, tp: int, ep: int, stage_layers: list[int], stage: int) -> int:
-    """Parameters on one rank of pipeline stage `stage` (the checkpoint's tensors, split as the model
-    splits them; the vocabulary padded as the model pads it)."""
+def rank_tensor_sizes(family, m, tp: int, ep: int, stage_layers: list[int], stage: int) -> list[int]:
+    """The elements of each checkpoint tensor's part on one rank of pipeline stage `stage` (split as the
+    model splits them; the vocabulary padded as the model pads it)."""
     first = sum(stage_layers[:stage])
     mine = range(first, first + stage_layers[stage])
-    n = 0
+    out = []
     for name, shape in family.checkpoint.hf_shapes(m).items():
         layer = _layer_of(name)
         if layer is None:
@@ -129,18 +134,65 @@ def rank_params(family, m, tp: int, ep: int, stage_layers: list[int], stage: int
             if (name.startswith("lm_head") or name == "model.norm.weight") and stage != len(stage_layers) - 1:
                 continue
             if name.startswith(("model.embed_tokens", "lm_head")):
-                n += m.padded_vocab_size(tp) * shape[1] // tp
+                out.append(m.padded_vocab_size(tp) * shape[1] // tp)
                 continue
         elif layer not in mine:
             continue
         size = math.prod(shape)
         if ".mlp.experts." in name:
-            n += size // ep  # experts whole on their EP rank
+            out.append(size // ep)  # experts whole on their EP rank
         elif len(shape) == 1 or ".gate.weight" in name or "indexer." in name:
-            n += size        # vectors, the router and the indexer are replicated over TP
+            out.append(size)        # vectors, the router and the indexer are replicated over TP
         else:
-            n += size // tp
-    return n
+            out.append(size // tp)
+    return out
+
+
+def rank_params(family, m, tp: int, ep: int, stage_layers: list[int], stage: int) -> int:
+    """Parameters on one rank of pipeline stage `stage` (rank_tensor_sizes summed)."""
+    return sum(rank_tensor_sizes(family, m, tp, ep, stage_layers, stage))
+
+
+def largest_trainable(family, cfg, stages: list[int], s: int) -> int:
+    """Elements of the largest trainable tensor on one rank of stage `s` (an adapter's A or B with
+    adapters; a fused checkpoint pair counts as its parts, an upper bound's small miss)."""
+    m, p = cfg.model, cfg.parallel
+    if cfg.adapter.enabled:
+        from longstraw_mcore.planner.adapters import largest_adapter, sites_of
+
+        first = sum(stages[:s])
+        return largest_adapter(sites_of(family, m), cfg, p.tp, range(first, first + stages[s]),
+                               s == len(stages) - 1)
+    return kept(("largest", family.name, repr(m), p.tp, p.ep, tuple(stages), s),
+                lambda: max(rank_tensor_sizes(family, m, p.tp, p.ep, stages, s), default=0))
+
+
+def micro_step_gradients(family, cfg, stages: list[int], s: int, n: int, shards: int, later: int,
+                         plain: bool = False) -> tuple[int, dict]:
+    """(device bytes, {host component: bytes}) of train.grad_reduction=micro_step's gradients on one rank
+    (train/zero2.py), `later` being the largest activations of the phases after the capture:
+    - the shards (float32; float64 models' float64): n x r / shards;
+    - the reduction's buffers, made at the first round and kept: one bucket's send buffer and its
+      reduce-scatter output (a bucket closes at the parameter that reaches train.grad_bucket_mib, so
+      it holds at most that plus the largest parameter). Gloo's reduce-scatter also copies the send
+      buffer while it runs, after the backward, when the activations are gone: not added;
+    - one micro-step's full gradient in the model dtype, n x e. Autograd makes it while the backward
+      frees that micro-step's activations, and it is reduced (freed) before the next micro-step, so
+      it adds to the peak only by what it exceeds the activations by (the planner's `activations`
+      term holds the output layer's weight gradient beside the logits, the largest single one).
+    With memory.grad_offload that gradient and the shards are in host memory; a gradient reaches the
+    host as soon as autograd completes it. With the optimizer on the device, its update reads the
+    shards there (ShardedAdam.step), when the buckets are idle and the activations gone.
+    `plain`: what a step allocates beside what exists before it (the shards), the update left out."""
+    m = cfg.model
+    e, r = _elem(m.dtype), 8 if m.dtype == "float64" else 4
+    shard = -(-n * r // shards)
+    bucket = min(n * r, int(cfg.train.grad_bucket_mib * 2**20) + largest_trainable(family, cfg, stages, s) * r)
+    reduce = bucket + (-(-bucket // shards) if shards > 1 else 0)
+    if not cfg.memory.grad_offload:
+        return (0 if plain else shard) + reduce + max(0, n * e - later), {}
+    update = 0 if plain or cfg.memory.optimizer_offload else shard
+    return max(reduce, update), {"gradients": n * e, "gradient_shards": shard}
 
 
 def stage_weights(family, cfg, stages: list[int], s: int) -> tuple[int, int]:
@@ -327,12 +379,15 @@ def stage_plan(family, cfg, P: int, R: int, G: int, world_size: int, s: int, on_
     layers = range(first, first + stages[s])
     types = [m.layer_types[i] for i in layers]
     weights, n = stage_weights(family, cfg, stages, s)
-    out, host = {"weights": weights}, {}
+    out, host = {"weights": weights}, {"gradients": 0}
     sharded = t.distributed_optimizer or t.grad_reduction == "micro_step"
-    if grads == "plain":
+    phases = phase_bytes(family, cfg, P, R, G, layers, s == p.pp - 1)
+    later = max(v for k, v in phases.items() if k != "capture")
+    if t.grad_reduction == "micro_step":
+        out["gradients"], staged = micro_step_gradients(family, cfg, stages, s, n, shards, later, grads == "plain")
+        host.update(staged)
+    elif grads == "plain":
         out["gradients"] = n * e
-    elif t.grad_reduction == "micro_step":
-        out["gradients"] = -(-n * 4 // shards) + n * e
     else:
         out["gradients"] = n * (4 if m.dtype == "bfloat16" else e)
     if t.grad_reduction == "micro_step":  # AdamW's two moments and the master shard, in the shard dtype
@@ -347,10 +402,8 @@ def stage_plan(family, cfg, P: int, R: int, G: int, world_size: int, s: int, on_
                                                             chunks if exact else 0, types, p.cp)
     out["prompt_state_grad"], host["prompt_state_grad"] = (grad_homes(family.layers, m, mem, p.tp, captured, types)
                                                            if exact else (0, 0))
-    phases = phase_bytes(family, cfg, P, R, G, layers, s == p.pp - 1)
     out["activations"] = max(phases.values())
     if grads == "plain":  # no .grad and no state gradient exists yet while the prompt is captured
-        later = max(v for k, v in phases.items() if k != "capture")
         out["activations"] = max(later, phases["capture"] - out["gradients"] - out["prompt_state_grad"])
     out["comm_buffers"] = NCCL_BYTES if on_cuda else 0
     out["allocator_slack"] = int(SLACK * sum(out.values())) if on_cuda else 0
@@ -399,9 +452,10 @@ def step_peak_bytes(family, cfg, P: int, R: int, G: int, world_size: int, cuda: 
 
 def step_host_bytes(family, cfg, P: int, R: int, G: int, world_size: int) -> int:
     """The host side of `step_peak_bytes`: the prompt state and its exact-mode gradient that
-    memory.state_offload keeps in host memory (a step builds no optimizer there)."""
+    memory.state_offload keeps in host memory, and memory.grad_offload's gradient buffers and shards
+    (a step builds no optimizer there)."""
     host = plan_host(family, cfg, P, R, G, world_size, cuda=False, grads="plain")
-    return host["prompt_state"] + host["prompt_state_grad"]
+    return host["prompt_state"] + host["prompt_state_grad"] + host["gradients"] + host.get("gradient_shards", 0)
 
 
 def fits_limits(family, cfg, P: int, R: int, G: int, world_size: int, device_bytes: int,

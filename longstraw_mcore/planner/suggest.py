@@ -10,7 +10,8 @@ adapter section, dtype and replay settings are kept; the search sets, for --gpus
               power of two the config accepts (fewer experts per rank; the time model has no EP term)
     switches  memory.recompute none | layer; with layer, memory.state_offload and memory.state_dtype
               model | fp8 (the config refuses fp8 in exact mode and for float64);
-              memory.optimizer_offload; train.grad_reduction step | micro_step; memory.mla_query_block
+              memory.optimizer_offload; train.grad_reduction step | micro_step, with micro_step
+              memory.grad_offload; memory.mla_query_block
               0 | 512 for families whose state has MLA latents
 
 Choice: the fastest plan that fits by seconds per prompt group (planner/timing.py: a group step's
@@ -37,7 +38,8 @@ from longstraw_mcore.planner.memory import node_ranks, plan_both
 from longstraw_mcore.planner.timing import plan_time
 
 OFF = {"memory.recompute": "none", "memory.state_offload": "false", "memory.state_dtype": "model",
-       "memory.optimizer_offload": "false", "train.grad_reduction": "step", "memory.mla_query_block": "0"}
+       "memory.optimizer_offload": "false", "train.grad_reduction": "step", "memory.grad_offload": "false",
+       "memory.mla_query_block": "0"}
 """Every searched switch at its default: a layout's lower bound on time."""
 QUERY_BLOCK = 512
 SIMPLER_WITHIN = 0.05
@@ -117,11 +119,12 @@ def switch_sets(mla: bool) -> list[dict]:
         staging = [("false", "model")] + staged
         for offload, dtype in staging:
             for opt in ("false", "true"):
-                for red in ("step", "micro_step"):
+                for red, grads in (("step", "false"), ("micro_step", "false"), ("micro_step", "true")):
                     for qb in (("0", str(QUERY_BLOCK)) if mla else ("0",)):
                         out.append({"memory.recompute": rec, "memory.state_offload": offload,
                                     "memory.state_dtype": dtype, "memory.optimizer_offload": opt,
-                                    "train.grad_reduction": red, "memory.mla_query_block": qb})
+                                    "train.grad_reduction": red, "memory.grad_offload": grads,
+                                    "memory.mla_query_block": qb})
     return out
 
 
@@ -131,7 +134,7 @@ def has_mla(family, m) -> bool:
 
 
 def _time(family, cfg, P, R, G, gpus, flops_per_s, efficiency, host=None) -> float:
-    zero = {"optimizer": 0, "optimizer_grads": 0, "prompt_state": 0, "prompt_state_grad": 0}
+    zero = {"optimizer": 0, "optimizer_grads": 0, "prompt_state": 0, "prompt_state_grad": 0, "gradients": 0}
     return plan_time(family, cfg, P, R, G, gpus, flops_per_s, efficiency, host or zero)["seconds_per_group"]
 
 
@@ -239,6 +242,8 @@ def describe(c: Candidate, gpus: int) -> str:
     p, m, t = c.cfg.parallel, c.cfg.memory, c.cfg.train
     sw = [f"recompute={m.recompute}", f"state_offload={str(m.state_offload).lower()}", f"state_dtype={m.state_dtype}",
           f"optimizer_offload={str(m.optimizer_offload).lower()}", f"grad_reduction={t.grad_reduction}"]
+    if m.grad_offload:
+        sw.append("grad_offload=true")
     if m.mla_query_block:
         sw.append(f"mla_query_block={m.mla_query_block}")
     return f"tp={p.tp} cp={p.cp} pp={p.pp} ep={p.ep} dp={p.dp_for(gpus)}; " + ", ".join(sw)

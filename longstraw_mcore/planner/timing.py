@@ -23,6 +23,9 @@ P_local = ceil((P - 1) / cp) + 1:
                                         recompute; exact: its gradient to the host
                        prompt_backward  (n - 1) x S + (n + 1) / 2 x Sg: chunk c reads the rows before it
                                         twice (forward, recompute), adds their gradient, reads its seed
+    grad_transfer    memory.grad_offload: every micro-step's gradient to the host as the backward makes it
+                     and back bucket by bucket for its reduce-scatter, 2 x Gs / PCIe per micro-step (Gs:
+                     the plan's host gradients, n x e), passes micro-steps per group (+ n in exact mode)
     optimizer_offload memory.optimizer_offload: the float32 gradient shard to the host (Gh / PCIe), the
                      CPU Adam over the shard's state and gradient ((O + Gh) / CPU_ADAM_BYTES_PER_S), the
                      updated parameters back (Gh / 4 x e / PCIe); O, Gh: the plan's host optimizer and
@@ -101,6 +104,14 @@ def transfer_bytes(cfg, P: int, G: int, host: dict) -> dict:
     return out
 
 
+def grad_transfer_bytes(cfg, P: int, passes: int, host: dict) -> float:
+    """memory.grad_offload: host <-> device gradient bytes per rank and group step (the module docstring)."""
+    if not cfg.memory.grad_offload:
+        return 0.0
+    micro = passes + (-(-(P - 1) // cfg.replay.chunk_len) if cfg.replay.mode == "exact" else 0)
+    return 2.0 * host.get("gradients", 0) * micro
+
+
 def optimizer_offload_seconds(cfg, host: dict) -> float:
     """memory.optimizer_offload: gradient shard down, CPU Adam, parameters up (the module docstring)."""
     if not cfg.memory.optimizer_offload:
@@ -130,6 +141,8 @@ def plan_time(family, cfg, P: int, R: int, G: int, world_size: int, flops_per_s:
     moved = transfer_bytes(cfg, P, G, host)
     if moved:
         seconds["state_transfer"] = sum(moved.values()) / PCIE_BYTES_PER_S
+    if cfg.memory.grad_offload:
+        seconds["grad_transfer"] = grad_transfer_bytes(cfg, P, passes, host) / PCIE_BYTES_PER_S
     if cfg.memory.optimizer_offload:
         seconds["optimizer_offload"] = optimizer_offload_seconds(cfg, host)
     seconds["total"] = sum(seconds.values())

@@ -38,7 +38,7 @@ def build_training(model, cfg: RunConfig, par):
         from longstraw_mcore.train.zero2 import ShardedAdam, ShardedGradients
 
         t = cfg.train
-        grads = ShardedGradients(model, par.pgs.dp_cp, par)
+        grads = ShardedGradients(model, par.pgs.dp_cp, par, t.grad_bucket_mib, offload=cfg.memory.grad_offload)
         return grads, ShardedAdam(grads, t.lr, (t.adam_beta1, t.adam_beta2), t.adam_eps, t.weight_decay, t.clip_grad,
                                   offload=cfg.memory.optimizer_offload)
     ddp = wrap_ddp(model, cfg, par)

@@ -23,6 +23,12 @@ without Apex/TE). Step: global gradient norm from the shards (summed over DP x C
 model-parallel groups, TP-replicated parameters counted once), clipping, AdamW on the shards, then
 every parameter all-gathered from its shards into the model (cast to the model dtype).
 
+memory.grad_offload (memory/grad_stage.py): each parameter's gradient goes to a host buffer as soon as
+autograd completes it, so no full-size gradient is on the device even within a micro-step; a round
+then builds one bucket's send buffer on the device at a time from the host copies, and the shards
+(and the optimizer's reads of them) are in host memory. The values reduced are the same, so the
+result is bit-identical.
+
 The averaging is the same as Megatron DDP's (1/N): replicated contributions (a branch replayed on
 every CP rank) stay as they are, partial ones (a CP rank's share of a recomputed chunk) are scaled
 by CP where they arise (prompt_state/contexts.py).
@@ -51,7 +57,7 @@ class ShardedGradients:
     buffer holds, for every rank i in turn, piece i of each of its parameters, so rank i's result is
     its shard of all of them, back to back (`self.grad[p]` are views into it)."""
 
-    def __init__(self, model, group, par, bucket_mib: float = 64.0):
+    def __init__(self, model, group, par, bucket_mib: float = 64.0, offload: bool = False):
         self.module, self.group, self.par = model, group, par
         self.n, self.rank = group.size(), group.rank()
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -68,13 +74,26 @@ class ShardedGradients:
                 cur, size = [], 0
         if cur:
             self.buckets.append(cur)
-        self.shard = [torch.zeros(sum(self.per[p] for p in b), dtype=self.dtype, device=dev) for b in self.buckets]
+        self.stage = None
+        home = dev
+        if offload:  # memory.grad_offload: this micro-step's gradients and the shards in host memory
+            from longstraw_mcore.memory.grad_stage import HostGradStage
+
+            self.stage, home = HostGradStage(self.params, dev), torch.device("cpu")
+        pin = offload and dev.type == "cuda"
+        self.shard = [torch.zeros(sum(self.per[p] for p in b), dtype=self.dtype, device=home, pin_memory=pin)
+                      for b in self.buckets]
         self.grad = {}
         for b, flat in zip(self.buckets, self.shard):
             views = torch.split(flat, [self.per[p] for p in b])
             self.grad.update(zip(b, views))
         self.main = {p: self._my_piece(p.detach().to(self.dtype)).clone() for p in self.params}
         self.rounds = 0
+        # gloo (CPU): an in-place all-reduce, then this rank's row. Gloo's reduce_scatter_tensor copies the
+        # whole send buffer and often frees the copy on its worker thread (measured: 1 MiB of send left a
+        # 2 MiB peak), which the CPU memory profiler cannot see; twice the bytes on the wire does not
+        # matter on the CPU test backend. NCCL: reduce_scatter_tensor, which allocates nothing.
+        self.gloo = self.n > 1 and dist.get_backend(group) == "gloo"
 
     def _my_piece(self, full: torch.Tensor) -> torch.Tensor:
         p_flat = full.reshape(-1)
@@ -99,30 +118,62 @@ class ShardedGradients:
         if self.n == 1 and not mine:
             return False
         self.rounds += 1
+        if self.stage is not None:
+            self.stage.ready()
         for b, shard in zip(self.buckets, self.shard):
             width = shard.numel()
-            send = torch.zeros(self.n, width, dtype=self.dtype, device=shard.device)  # one bucket, full size
+            send, out = self._bucket_buffers(width)
             col = 0
             for p in b:
                 per = self.per[p]
-                if p.grad is not None:
-                    flat = p.grad.detach().reshape(-1).to(self.dtype)
+                g = self._take(p)
+                if g is not None:
+                    flat = g.detach().reshape(-1).to(send.device, non_blocking=True).to(self.dtype)
                     for i in range(self.n):  # piece i of p goes to rank i's part of the buffer
                         piece = flat[i * per:(i + 1) * per]
                         send[i, col:col + piece.numel()] = piece
-                    p.grad = None  # this micro-step's full-size gradient of p is freed here
                 col += per
             if self.n > 1:
-                out = torch.empty(width, dtype=self.dtype, device=shard.device)
-                dist.reduce_scatter_tensor(out, send.reshape(-1), group=self.group)
-                shard.add_(out, alpha=1.0 / self.n)
+                if self.gloo:  # (gloo's reduce-scatter copies the whole send buffer inside: see __init__)
+                    dist.all_reduce(send, group=self.group)
+                    out.copy_(send[self.rank])
+                else:
+                    dist.reduce_scatter_tensor(out, send.reshape(-1), group=self.group)
+                shard.add_(out.to(shard.device), alpha=1.0 / self.n)
             else:
-                shard.add_(send[0])
+                shard.add_(send[0].to(shard.device))
+        if self.stage is not None:
+            self.stage.clear()
         return True
+
+    def _bucket_buffers(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A bucket's send buffer [n, width] (zeroed) and reduce-scatter output [width]: views into two
+        buffers of the largest bucket's size, made at the first round and kept (a buffer made per bucket
+        is often released by gloo's worker thread when its collective completes, not by this one)."""
+        if not hasattr(self, "_send"):
+            widest = max(s.numel() for s in self.shard)
+            self._send = torch.empty(self.n * widest, dtype=self.dtype, device=self.par.device)
+            self._out = torch.empty(widest if self.n > 1 else 0, dtype=self.dtype, device=self.par.device)
+        send = self._send[:self.n * width].view(self.n, width)
+        send.zero_()
+        return send, self._out[:width]
+
+    def _take(self, p) -> torch.Tensor | None:
+        """p's gradient of this micro-step (host-staged or autograd's `.grad`, which is freed here)."""
+        if self.stage is not None:
+            return self.stage.take(p)
+        g, p.grad = p.grad, None  # this micro-step's full-size gradient of p is freed after its bucket
+        return g
 
     def zero_grad_buffer(self) -> None:
         for flat in self.shard:
             flat.zero_()
+
+    def host_bytes(self) -> int:
+        """memory.grad_offload: the host-resident gradient bytes (the staging buffers and the shards)."""
+        if self.stage is None:
+            return 0
+        return self.stage.nbytes() + sum(g.numel() * g.element_size() for g in self.shard)
 
     def grad_bytes(self) -> int:
         """Bytes of gradient this rank holds now: its shards plus any full-size `.grad` left."""

@@ -16,7 +16,10 @@ parameters, planned (planner/memory.step_peak_bytes) and measured, each within 1
     tool's docstring): the host side and the device side within 10% everywhere (GLM's too: the capture
     and the recomputed layer's moments are modelled, planner/memory.py phase_bytes); and
     memory.optimizer_offload's host bytes (the micro_step master shards, Adam's
-    moments, the gradient shards at the update) after a train step, f32 and bf16, within 10%."""
+    moments, the gradient shards at the update) after a train step, f32 and bf16, within 10%;
+  - 3 points through train.grad_reduction=micro_step's holder (train/zero2.py): without and with
+    memory.grad_offload (detached f32; exact bf16 with recompute), the host side (staged gradients and
+    shards) and the device side (the buckets, what autograd is making) within 10%."""
 
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ def test_planner_within_10_percent_of_measured_peaks():
 
     rows = h200_rows() + cpu_rows()
     print("\n" + table(rows))
-    assert len(rows) >= 28
+    assert len(rows) >= 31
     for r in rows:  # the host side (memory.state_offload): the state's homes and their exact-mode gradients
         if r.get("measured_host_bytes"):
             assert abs(r["planned_host_bytes"] / r["measured_host_bytes"] - 1) <= 0.10, r
@@ -49,4 +52,4 @@ def test_planner_within_10_percent_of_measured_peaks():
         tol = 0.15 if (r["name"].startswith("glm") or adapter) and not switches else 0.10
         assert abs(ratio - 1) <= tol, (r["name"], r["where"], r["P"], r["planned_bytes"], r["measured_bytes"])
         assert not adapter or ratio >= 1.0, (r["name"], ratio)
-    assert sum(abs(r["planned_bytes"] / r["measured_bytes"] - 1) <= 0.10 for r in rows) >= 29
+    assert sum(abs(r["planned_bytes"] / r["measured_bytes"] - 1) <= 0.10 for r in rows) >= 32

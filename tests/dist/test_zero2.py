@@ -8,6 +8,10 @@ DP=2 x CP=2, exact mode, float64, two GRPO groups per data-parallel rank.
 - The shards, gathered, equal the single-rank gradient of the same groups (<= 1e-10), and one
   optimizer step equals torch AdamW on the single-rank gradient (<= 1e-10), weight decay on matrices
   only (as Megatron's optimizer).
+- memory.grad_offload (memory/grad_stage.py): the same groups in exact and detached mode, with every
+  micro-step's gradient staged in host memory as autograd completes it: at every micro_step_done no
+  parameter holds a `.grad` (the full-size gradient never sat on the device), and the shards and the
+  parameters after the AdamW step are bit-identical (torch.equal) to the run without it.
 (The peak's independence of G under CP is measured in tests/dist/test_context_parallel.py: the
 profiler's memory timeline does not follow the in-place shard updates made here.)
 Why CP ranks' shards add up: see prompt_state/contexts.py (replicated replay, partial recompute x CP)."""
@@ -34,7 +38,6 @@ def _worker(rank, world_size):
     from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.replay.group_step import process_group
-    from longstraw_mcore.train.trainer import build_training
 
     m = tiny_model_config(linear_num_key_heads=4, linear_num_value_heads=8)
     full = hf_to_mcore(hf_state(build_hf_model(m, seed=71)), m)
@@ -56,19 +59,8 @@ def _worker(rank, world_size):
     adam.step()
     ref_after = {n: p.detach().clone() for n, p in ref.named_parameters()}
 
-    cfg = RunConfig(model=m, parallel=ParallelConfig(cp=2), device="cpu", train=train)
-    par = setup_parallel(cfg)
-    model = build_model(m, par, "cpu")
-    load_full(model, full)
-    grads, opt = build_training(model, cfg, par)
-    n_dp = par.pgs.dp.rank()
+    grads, opt, model, par, after_each, _ = _sharded(m, full, groups, rcfg, gcfg, train, offload=False)
     full_bytes = sum(p.numel() for p in model.parameters()) * 8
-    after_each = []
-    for i, g in enumerate(groups):
-        if i % par.dp == n_dp:
-            process_group(grads, g, rcfg, gcfg, scale=par.dp / len(groups))
-            after_each.append((grads.grad_bytes(), sum(p.grad is not None for p in model.parameters())))
-    grads.finish()  # the DP ranks' groups differ in micro-steps: join rounds until all are done
     # gather the shards into full gradients
     worst = 0.0
     for name, p in zip(names, model.parameters()):
@@ -81,11 +73,53 @@ def _worker(rank, world_size):
     step = max(float((p.detach() - ref_after[n]).abs().max() / ref_after[n].abs().max()) for n, p in
                zip(names, model.parameters()))
 
+    offload = {}
+    for mode in ("exact", "detached"):
+        rc = ReplayConfig(mode=mode, chunk_len=7)
+        runs = [_sharded(m, full, groups, rc, gcfg, train, offload=o) for o in (False, True)]
+        (g0, o0, m0, *_), (g1, o1, m1, _, _, held) = runs
+        shards = all(torch.equal(a, b) for a, b in zip(g0.shard, g1.shard))
+        o0.step()
+        o1.step()
+        params = all(torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters()))
+        offload[mode] = dict(shards=shards, params=params, held=held, micro=len(held), stage=g1.stage.nbytes(),
+                             host=g1.host_bytes(), rounds=(g0.rounds, g1.rounds))
     return dict(after_each=after_each, full_bytes=full_bytes, n=grads.n, grad=worst, step=step, rounds=grads.rounds,
-                padding=sum(grads.per[p] * grads.n - p.numel() for p in model.parameters()) * 8)
+                padding=sum(grads.per[p] * grads.n - p.numel() for p in model.parameters()) * 8, offload=offload)
 
 
-def test_micro_step_shards_equal_single_rank_and_free_full_gradients():
+def _sharded(m, full, groups, rcfg, gcfg, train, offload: bool):
+    """DP=2 x CP=2 micro_step shards after this rank's groups: (holder, optimizer, model, par, [(gradient
+    bytes, parameters with a .grad) after each group], [parameters with a .grad at each micro_step_done])."""
+    from longstraw_mcore.checkpoint.full_state import load_full
+    from longstraw_mcore.config import MemoryConfig, ParallelConfig, RunConfig
+    from longstraw_mcore.families.qwen3_5 import build_model
+    from longstraw_mcore.parallel.groups import setup_parallel
+    from longstraw_mcore.replay.group_step import process_group
+    from longstraw_mcore.train.trainer import build_training
+
+    cfg = RunConfig(model=m, parallel=ParallelConfig(cp=2), device="cpu", train=train,
+                    memory=MemoryConfig(grad_offload=offload))
+    par = setup_parallel(cfg)
+    model = build_model(m, par, "cpu")
+    load_full(model, full)
+    grads, opt = build_training(model, cfg, par)
+    held, done = [], grads.micro_step_done
+
+    def recording():  # how many parameters hold a full-size .grad when the micro-step's backward is over
+        held.append(sum(p.grad is not None for p in model.parameters()))
+        done()
+    grads.micro_step_done = recording
+    after_each = []
+    for i, g in enumerate(groups):
+        if i % par.dp == par.pgs.dp.rank():
+            process_group(grads, g, rcfg, gcfg, scale=par.dp / len(groups))
+            after_each.append((grads.grad_bytes(), sum(p.grad is not None for p in model.parameters())))
+    grads.finish()  # the DP ranks' groups differ in micro-steps: join rounds until all are done
+    return grads, opt, model, par, after_each, held
+
+
+def test_micro_step_shards_equal_single_rank_free_full_gradients_and_offload_bit_identical():
     for rank, r in enumerate(run_ranks(_worker, 4, timeout_s=900)):
         if rank == 0:
             print(f"DP=2 x CP=2 micro-step shards: gradient vs single rank {r['grad']:.1e}, AdamW step {r['step']:.1e}; "
@@ -95,3 +129,12 @@ def test_micro_step_shards_equal_single_rank_and_free_full_gradients():
         assert r["grad"] <= 1e-10 and r["step"] <= 1e-10, r
         for nbytes, full_grads in r["after_each"]:
             assert full_grads == 0 and nbytes == (r["full_bytes"] + r["padding"]) // r["n"], r["after_each"]
+        for mode, o in r["offload"].items():
+            if rank == 0:
+                print(f"memory.grad_offload, {mode}: shards bit-identical {o['shards']}, parameters after AdamW "
+                      f"bit-identical {o['params']}; parameters holding a .grad at each of {o['micro']} micro-steps' "
+                      f"end: {sorted(set(o['held']))}; host bytes {o['host']} (staging {o['stage']} = the full "
+                      f"gradient {r['full_bytes']}); rounds {o['rounds']}")
+            assert o["shards"] and o["params"], o
+            assert o["micro"] > 0 and set(o["held"]) == {0}, o  # never a full-size .grad at a micro-step's end
+            assert o["stage"] == r["full_bytes"] and o["host"] == o["stage"] + (r["full_bytes"] + r["padding"]) // r["n"]

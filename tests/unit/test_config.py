@@ -43,6 +43,10 @@ def test_real_27b_dimensions():
      "memory.state_dtype=fp8 with replay.mode=exact"),
     (["memory.optimizer_offload=true", "train.grad_reduction=step", "device=cpu"],
      "HybridDeviceOptimizer, which offloads CUDA parameters only"),
+    (["memory.grad_offload=true"], "memory.grad_offload with train.grad_reduction='step': Megatron DDP keeps a "
+     "full-size gradient buffer"),
+    (["memory.grad_offload=2"], "memory.grad_offload=2: expected bool"),
+    (["train.grad_bucket_mib=-1"], "train.grad_bucket_mib=-1.0: must be a number > 0"),
     (["memory.recompute=all"], "memory.recompute='all': must be one of ['none', 'layer']"),
     (["memory.mla_query_block=-1"], "memory.mla_query_block=-1: must be an integer >= 0"),
 ])

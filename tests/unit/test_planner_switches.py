@@ -2,7 +2,8 @@
 (planner/memory.py, planner/state.py): fp8 state is fp8_nbytes per tensor of the position-sized
 categories, state offload moves exactly those (and, in exact mode, their gradients) to the host and
 stages one layer's state in the model dtype, recompute leaves every layer's input plus one recomputed
-layer, optimizer offload moves the optimizer term and a float32 gradient shard to the host, MLA query
+layer, optimizer offload moves the optimizer term and a float32 gradient shard to the host, gradient
+offload moves the micro-step's gradient and the shards to the host and leaves one bucket, MLA query
 blocks cap the per-query top-k terms; the time model's added terms (planner/timing.py); the host limit
 in `fits` and in the largest P; `plan --suggest`: the five published configs fit and carry its choices,
 and with nothing that fits it names the closest plan and the GiB it misses (exit 2). All in this
@@ -146,6 +147,39 @@ def test_optimizer_offload_moves_the_optimizer_and_adds_a_gradient_shard():
         assert device["optimizer"] == 0 and device["gradients"] == plain["gradients"]
         assert host["optimizer"] == plain["optimizer"] == -(-n * 12 // shards)  # moments + float32 master (bf16)
         assert host["optimizer_grads"] == -(-n * 4 // shards)
+
+
+def test_grad_offload_leaves_one_bucket_on_the_device():
+    """memory.grad_offload (micro_step): the micro-step's gradient (n x e) and the float32 shards move to
+    the host; the device keeps one bucket's send buffer and reduce-scatter output, whose size is the
+    bucket limit plus at most the largest parameter (the padded output layer's TP shard here), or the
+    shards' copy an optimizer on the device updates from; the time model adds 2 x n x e over PCIe per
+    micro-step (G branches, + the chunks in exact mode)."""
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.planner.memory import stage_weights
+    from longstraw_mcore.planner.timing import PCIE_BYTES_PER_S, plan_time
+
+    layout = ("parallel.tp=4", "parallel.cp=2", "train.grad_reduction=micro_step")
+    cfg = _cfg(Q27, *layout, "memory.grad_offload=true", "memory.optimizer_offload=true")
+    m = cfg.model
+    n = stage_weights(get_family("qwen3_5"), cfg, [64], 0)[1]
+    device, host = _both(cfg, 65_536, 1024, 8, 8)
+    resident, resident_host = _both(_cfg(Q27, *layout, "memory.optimizer_offload=true"), 65_536, 1024, 8, 8)
+    assert host["gradients"] == n * 2 and host["gradient_shards"] == -(-n * 4 // 2)  # bf16 gradient, f32 shards
+    assert resident_host["gradients"] == 0 and "gradient_shards" not in resident_host
+    largest = m.padded_vocab_size(4) * m.hidden_size // 4
+    bucket = 64 * 2**20 + largest * 4
+    assert device["gradients"] == bucket + bucket // 2, (device["gradients"], bucket)
+    assert resident["gradients"] >= -(-n * 4 // 2) + bucket  # the shards and the buckets on the device
+    assert {k: v for k, v in device.items() if k != "gradients"} == \
+        {k: v for k, v in resident.items() if k != "gradients"} | {"allocator_slack": device["allocator_slack"]}
+    on_device = _cfg(Q27, *layout, "memory.grad_offload=true")  # the update reads the shards on the device
+    assert _both(on_device, 65_536, 1024, 8, 8)[0]["gradients"] == max(bucket + bucket // 2, -(-n * 4 // 2))
+    for mode, micro in (("detached", 8), ("exact", 8 + -(-(65_536 - 1) // cfg.replay.chunk_len))):
+        c = _cfg(Q27, *layout, "memory.grad_offload=true", "memory.optimizer_offload=true", f"replay.mode={mode}")
+        h = _both(c, 65_536, 1024, 8, 8)[1]
+        t = plan_time(get_family("qwen3_5"), c, 65_536, 1024, 8, 8, 148e12, 0.05, h)["seconds"]
+        assert math.isclose(t["grad_transfer"], 2 * n * 2 * micro / PCIE_BYTES_PER_S), (mode, t)
 
 
 def test_mla_query_block_caps_the_per_query_topk_terms():
