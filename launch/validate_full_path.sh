@@ -56,6 +56,6 @@ args=(validate --config "$cfg" "${weights[@]}" --rollouts "$rollouts" --out "$ou
 if [ -n "${SLURM_JOB_ID:-}" ]; then
   PYTHON="$py" bash "$repo/launch/slurm.sbatch" "${args[@]}"
 else
-  PYTHON="$py" bash "$repo/launch/torchrun.sh" "$n" "${args[@]}"
+  PYTHON="$py" bash "$repo/launch/local.sh" "$n" "${args[@]}"
 fi
 echo "[validate_full_path] receipt: $out/receipt.json" >&2

@@ -16,13 +16,19 @@ Subcommands (each in commands/):
   rollout   sample G responses per prompt from the captured prompt state (temperature, top-p, stop
             ids, seeded so every layout samples the same tokens) -> a rollouts file for train.
 Every subcommand takes `--config CFG` and trailing `key=value` overrides (e.g. parallel.tp=2).
-Bad input (config, layout, rollouts, checkpoint) exits with status 2 and one line naming it.
+Exit status: 0 done; 2 bad input (config, layout, rollouts, checkpoint), with one line naming it;
+3 `train` stopped after train.max_bad_steps non-finite steps in a row (a checkpoint of the last good
+step kept); 75 `train` stopped on a signal (train.stop_signals) after saving the last completed step:
+run it again (with --resume, or as the same Slurm job) to continue; anything else: a crash.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,12 +143,18 @@ def main(argv=None) -> int:
     from longstraw_mcore.config import ConfigError
     from longstraw_mcore.data.rollouts import RolloutError
 
+    from longstraw_mcore.commands.train import TrainingDiverged
+
     try:
         return importlib.import_module(f"longstraw_mcore.commands.{args.command}").run(args)
     except (ConfigError, CheckpointError, RolloutError) as e:
         if is_rank0():
             print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_BAD_INPUT
+    except TrainingDiverged as e:
+        if is_rank0():
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_DIVERGED
 
 
 if __name__ == "__main__":

@@ -5,11 +5,15 @@ steps, --resume from the newest complete one. Every input is checked before any 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from longstraw_mcore.commands.common import (build_and_load, launch_world_size, load_run_config, rank0_print,
                                              reference_model, resolve_adapter, trained_description)
 from longstraw_mcore.commands.preflight import check_fits, check_groups, check_run, check_save_dir
+from longstraw_mcore.train.checkpoint_dirs import prune_steps, published_steps
+from longstraw_mcore.train.run_dir import job_id, release, same_job, try_lock, write_identity
+from longstraw_mcore.train.stop import STOPPED_EXIT, StopOnSignals
 
 
 def _online_shape(cfg):
@@ -44,6 +48,10 @@ def run(args) -> int:
         groups = load_rollouts(args.rollouts, cfg.model.vocab_size)
         check_groups(cfg, groups, has_ref_model=bool(args.ref_hf or args.ref_load))
     check_fits(cfg, groups, launch_world_size(), args.force, "train")
+    if args.save and not args.resume and published_steps(args.save) and same_job(args.save, cfg):
+        rank0_print(f"[train] {args.save} holds this Slurm job's checkpoints (job {job_id()}, same config): a "
+                    "requeue, resuming")
+        args.resume = True
     start = check_save_dir(args.save, args.resume, args.steps)
     if start is not None and start >= args.steps:
         rank0_print(f"[train] {args.save} holds a complete checkpoint at step {start} >= --steps {args.steps}: "
@@ -53,6 +61,31 @@ def run(args) -> int:
     from longstraw_mcore.parallel.groups import setup_parallel
 
     par = setup_parallel(cfg)
+    if args.save:
+        _lock(args.save, par)
+        try:
+            if par.rank == 0:
+                write_identity(args.save, cfg, sys.argv)
+            return _train(args, cfg, adapter, par, groups, online)
+        finally:
+            if par.rank == 0:
+                release(args.save)
+    return _train(args, cfg, adapter, par, groups, online)
+
+
+def _lock(save: str, par) -> None:
+    """One run per --save directory (train/run_dir.py): rank 0 takes the lock, every rank learns."""
+    import torch.distributed as dist
+
+    from longstraw_mcore.config import ConfigError
+
+    box = [try_lock(save, rank0_print) if par.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise ConfigError(box[0])
+
+
+def _train(args, cfg, adapter, par, groups, online) -> int:
     from longstraw_mcore.train.trainer import Trainer, build_training
 
     model = build_and_load(cfg, par, args.hf, args.load, "train", adapter)
@@ -63,8 +96,16 @@ def run(args) -> int:
 
         source = OnlineGroups(cfg)
         groups = []
-    trainer = Trainer(cfg, par, ddp, opt, groups, ref_model=reference_model(args, cfg, par), log=rank0_print,
-                      online=source)
+    stop = StopOnSignals(cfg.train.stop_signals)  # (from here on a signal stops at a safe point, with a checkpoint)
+    try:
+        trainer = Trainer(cfg, par, ddp, opt, groups, ref_model=reference_model(args, cfg, par), log=rank0_print,
+                          online=source, stop=stop)
+        return _loop(args, cfg, par, ddp, trainer, groups, online, source, stop)
+    finally:
+        stop.close()
+
+
+def _loop(args, cfg, par, ddp, trainer, groups, online, source, stop) -> int:
     if args.resume and trainer.resume(args.save):
         rank0_print(f"[train] resumed from {args.save} at step {trainer.step}")
     if trainer.step >= args.steps:
@@ -87,15 +128,55 @@ def run(args) -> int:
     evaluate = online and cfg.task.eval_prompts > 0 and cfg.task.eval_every > 0
     if evaluate and trainer.step == 0:
         _log(args, par, {"step": 0, "heldout_reward": source.held_out(ddp.module, par.pgs.dp, par.device)})
+    limit = cfg.train.max_bad_steps
     while trainer.step < args.steps:
         m = trainer.run_step()
+        if m.get("stopped"):
+            return _stopped(args, trainer, stop, f"during step {m['abandoned_step']} (abandoned: it is redone on resume)")
         if evaluate and (trainer.step % cfg.task.eval_every == 0 or trainer.step == args.steps):
             m["heldout_reward"] = source.held_out(ddp.module, par.pgs.dp, par.device)
         _log(args, par, m)
+        if limit and m["bad_steps_in_a_row"] >= limit:
+            dst = _save(args, trainer)
+            raise TrainingDiverged(f"step {trainer.step}: {limit} steps in a row had a non-finite loss or gradient "
+                                   f"norm (train.max_bad_steps={limit}; last loss {m['loss']}, grad norm "
+                                   f"{m['grad_norm']}); no update was made by them"
+                                   + (f"; checkpoint {dst}" if dst else "") + ". Lower train.lr or check the data")
+        if m.get("stop_requested"):
+            return _stopped(args, trainer, stop, f"after step {trainer.step}")
         if args.save and ((every and trainer.step % every == 0) or trainer.step == args.steps):
-            dst = trainer.save(args.save)
-            rank0_print(f"[train] checkpoint {dst}")
+            _save(args, trainer)
     return 0
+
+
+class TrainingDiverged(RuntimeError):
+    """train.max_bad_steps non-finite steps in a row (cli.py prints it as one line, exit status 3)."""
+
+
+def _save(args, trainer):
+    if not args.save:
+        return None
+    dst = trainer.save(args.save)
+    rank0_print(f"[train] checkpoint {dst}")
+    keep = trainer.cfg.train.keep_last
+    if keep and trainer.par.rank == 0:
+        for old in prune_steps(args.save, keep):
+            rank0_print(f"[train] removed {old} (train.keep_last={keep})")
+    return dst
+
+
+def _stopped(args, trainer, stop, when: str) -> int:
+    """A stop request (train/stop.py): the last completed step saved (unless it is already), exit 75."""
+    from longstraw_mcore.train.checkpoint_dirs import step_dir, verify
+
+    have = args.save and step_dir(args.save, trainer.step).is_dir() and verify(step_dir(args.save, trainer.step)) is None
+    dst = step_dir(args.save, trainer.step) if have else _save(args, trainer)
+    why = stop.signal_name or "a peer rank's signal"
+    rank0_print(f"[train] stopped by {why} {when}: " + (f"checkpoint of step {trainer.step} in {dst}; run the same "
+                                                         "command with --resume to continue" if dst else
+                                                         "no --save given, nothing kept")
+                + f" (exit {STOPPED_EXIT})")
+    return STOPPED_EXIT
 
 
 def _log(args, par, m: dict) -> None:

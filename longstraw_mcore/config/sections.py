@@ -33,10 +33,15 @@ class ReplayConfig:
     reuse_steps: int = 1
     """`train`: one captured prompt state serves this many optimizer steps, each replaying newly
     sampled branches (needs adapter.prompt=frozen: the state must not depend on trainable weights)."""
+    progress_every_s: float = 10.0
+    """Rank 0 prints a group's progress (capture, replay, exact mode's sweep: tokens done of total,
+    tokens/s, ETA) at most this often, in seconds of wall time; 0: after every step of the plan."""
 
     def __post_init__(self):
         check_choices(self, "replay")
         check_ints(self, "replay", ("reuse_steps",))
+        if not (isinstance(self.progress_every_s, (int, float)) and self.progress_every_s >= 0):
+            raise ConfigError(f"replay.progress_every_s={self.progress_every_s!r}: must be a number of seconds >= 0")
         if not self.attn_probs_budget_mib >= 0:
             raise ConfigError(f"replay.attn_probs_budget_mib={self.attn_probs_budget_mib}: must be >= 0 "
                               "(0 = always recompute)")
@@ -213,6 +218,14 @@ class TrainConfig:
     optimizer. `micro_step`: every micro-step's gradients reduce-scattered over data x context
     parallel ranks as autograd produces them and kept as float32 shards (ZeRO-2; train/zero2.py),
     AdamW on the shards: no rank holds a full-size gradient between micro-steps."""
+    stop_signals: str = "SIGTERM,SIGUSR1"
+    """Signals that make `train` stop at the next safe point (between the steps of a group's plan), save
+    the last completed step and exit with status 75 (train/stop.py); comma-separated, "" for none."""
+    keep_last: int = 0
+    """Keep only the newest K published checkpoints under --save (0: keep all)."""
+    max_bad_steps: int = 3
+    """A step whose loss or gradient norm is not finite is skipped (no update; counted in the metrics);
+    this many in a row stop the run with a checkpoint of the last good step (0: never stop)."""
     grad_bucket_mib: float = 64.0
     """micro_step: parameters reduce-scattered together, about this many MiB of float32 gradient per
     collective (a bucket closes at the parameter that reaches it); with memory.grad_offload the largest
@@ -224,6 +237,11 @@ class TrainConfig:
                 and self.grad_bucket_mib > 0):
             raise ConfigError(f"train.grad_bucket_mib={self.grad_bucket_mib!r}: must be a number > 0 (MiB per "
                               "reduce-scatter)")
+        check_ints(self, "train", ("keep_last", "max_bad_steps"), low=0, words="an integer >= 0")
+        for name in filter(None, (n.strip() for n in self.stop_signals.split(","))):
+            if name not in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"):
+                raise ConfigError(f"train.stop_signals={self.stop_signals!r}: {name!r} is not one of SIGTERM, SIGUSR1, "
+                                  "SIGUSR2, SIGINT, SIGHUP")
         if self.lr <= 0 or self.groups_per_step < 1 or self.save_every < 0 or self.clip_grad < 0:
             raise ConfigError(f"train.lr={self.lr}, train.groups_per_step={self.groups_per_step}, "
                               f"train.save_every={self.save_every}, train.clip_grad={self.clip_grad}: need lr > 0, "

@@ -37,6 +37,9 @@ class Parallel:
     tp_kv: object = None
     """This rank's KV group (parallel/kv_group.py) when tp exceeds the heads the prompt state is split by
     (`model.state_heads`: Qwen's KV heads; one for GLM's latent, so the whole TP group at tp > 1)."""
+    lockstep: object = None
+    """The ranks that run a prompt group's plan step by step together (`lockstep_group`); None: this
+    rank alone."""
 
     @property
     def tp_rank(self) -> int:
@@ -110,4 +113,41 @@ def setup_parallel(cfg: RunConfig) -> Parallel:
     tp_kv = new_kv_groups(pgs.tp, cfg.model.state_heads)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     return Parallel(pgs=pgs, device=dev, tp=p.tp, pp=p.pp, cp=p.cp, dp=dp, rank=dist.get_rank(), world_size=world,
-                    stage_layers=stages, ep=p.ep, tp_kv=tp_kv)
+                    stage_layers=stages, ep=p.ep, tp_kv=tp_kv, lockstep=lockstep_group(pgs))
+
+
+def lockstep_group(pgs):
+    """The process group of the ranks that run each step of a prompt group's plan together: those
+    joined, directly or through others, by a tensor-, context-, pipeline- or expert-parallel group (a
+    collective inside a step needs every rank of its group; under EP the data-parallel ranks of an EP
+    group replay in lockstep, replay/engine.py). Data-parallel ranks outside each other's EP groups run
+    different prompt groups, with different numbers of steps, and meet only at the step's end. Every
+    rank creates every component's group, in the same order (new_group is collective); None when this
+    rank's component is itself alone, the world group when it is everyone."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = {rank}
+    for name in ("tp", "cp", "pp", "ep"):
+        g = getattr(pgs, name, None)
+        if g is not None and g.size() > 1:
+            mine |= set(dist.get_process_group_ranks(g))
+    every = [None] * world
+    dist.all_gather_object(every, sorted(mine))
+    root = list(range(world))
+
+    def find(r):
+        while root[r] != r:
+            root[r] = root[root[r]]
+            r = root[r]
+        return r
+    for ranks in every:
+        for r in ranks[1:]:
+            root[find(r)] = find(ranks[0])
+    components = sorted({tuple(r for r in range(world) if find(r) == find(x)) for x in range(world)})
+    if len(components) == 1:
+        return dist.group.WORLD if world > 1 else None
+    out = None
+    for comp in components:
+        g = dist.new_group(list(comp))
+        if rank in comp and len(comp) > 1:
+            out = g
+    return out

@@ -43,6 +43,8 @@ def execute(model, plan: list[Step], g: GroupInputs, state: PromptState | None =
     core = core_of(model)
     layout = CPLayout.of(core.cp_group)
     same_schedule_over_ep(core, plan)
+    if g.watch is not None:
+        g.watch.begin(plan, g.responses)
     if state is None:
         state = new_state(core, plan, g, layout)
     run = execute_pipeline if core.pg_collection.pp.size() > 1 else execute_local
@@ -97,10 +99,10 @@ def replay_pieces(model, responses: list[list[int]], cfg: ReplayConfig) -> list[
     return tree_pieces(root, responses) if root is not None else [(len(r), (), False) for r in responses]
 
 
-def _group(model, prompt: list[int], responses, loss_fn, cfg) -> GroupInputs:
+def _group(model, prompt: list[int], responses, loss_fn, cfg, watch=None) -> GroupInputs:
     device = next(core_of(model).parameters()).device
     return GroupInputs(torch.tensor([prompt[:-1]], device=device, dtype=torch.long), prompt[-1], responses, loss_fn,
-                       cfg)
+                       cfg, watch)
 
 
 @torch.no_grad()
@@ -129,10 +131,11 @@ def replay_branches(model, state: PromptState, prompt_last: int, responses: list
 
 def run_group(model, prompt: list[int], responses: list[list[int]], loss_fn: BranchLoss, cfg: ReplayConfig,
               order: list[int] | None = None, timed: bool = False, state: PromptState | None = None,
-              replay: list[Step] | None = None):
+              replay: list[Step] | None = None, watch=None):
     """Capture, replay every branch with `loss_fn`, and (exact mode) the prompt backward. `state`: the
     prompt's state captured before (adapter.prompt=frozen: it holds no trainable weight), replayed
-    against without a capture; `replay`: the group's replay steps decided before (group_replay_steps).
+    against without a capture; `replay`: the group's replay steps decided before (group_replay_steps);
+    `watch`: progress and safe points (replay/watch.py).
 
     Returns (results, state) or, with `timed`, (results, state, seconds per phase)."""
     t0 = time.perf_counter()
@@ -141,7 +144,7 @@ def run_group(model, prompt: list[int], responses: list[list[int]], loss_fn: Bra
         if not prompt_is_frozen(model):
             raise ValueError("run_group(state=...): a captured state is reused only with adapter.prompt=frozen")
         results, state, seconds = execute(model, replay,
-                                          _group(model, prompt, responses, loss_fn, cfg), state)
+                                          _group(model, prompt, responses, loss_fn, cfg, watch), state)
         seconds.setdefault("replay", 0.0)
         seconds["capture"], seconds["total"] = 0.0, time.perf_counter() - t0
         ordered = [results[b] for b in sorted(results)]
@@ -152,7 +155,7 @@ def run_group(model, prompt: list[int], responses: list[list[int]], loss_fn: Bra
         cfg = dataclasses.replace(cfg, mode="detached")
     mode = cfg.mode
     plan = plan_group(len(prompt) - 1, cfg.chunk_len, [], mode, cfg.batch_branches, replay)
-    results, state, seconds = execute(model, plan, _group(model, prompt, responses, loss_fn, cfg),
+    results, state, seconds = execute(model, plan, _group(model, prompt, responses, loss_fn, cfg, watch),
                                       state_grad=mode == "exact" and loss_fn is not None)
     seconds.setdefault("capture", 0.0)
     seconds.setdefault("replay", 0.0)

@@ -50,9 +50,9 @@ def _scaled(fn, scale: float):
 
 
 def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConfig, scale: float = 1.0,
-                  ref_model=None, index: int = 0, state=None) -> GroupStats:
+                  ref_model=None, index: int = 0, state=None, watch=None) -> GroupStats:
     """One group's loss and gradient (`state`: its prompt's state captured before, reused with
-    adapter.prompt=frozen: run_group)."""
+    adapter.prompt=frozen: run_group; `watch`: progress and safe points, replay/watch.py)."""
     t0 = time.perf_counter()
     stats = GroupStats(reward_mean=sum(group.rewards) / len(group.rewards))
     ref_state_bytes = 0
@@ -89,8 +89,10 @@ def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConf
         fn = group_loss_fn(group, gcfg, adv)
         loss = None
     replay = group_replay_steps(model, group.responses, rcfg)  # (under EP: one collective decides the tree)
+    if watch is not None:
+        watch.label = f"group {index} "
     results, state, seconds = run_group(model, group.prompt, group.responses, _scaled(fn, scale), rcfg, timed=True,
-                                        state=state, replay=replay)
+                                        state=state, replay=replay, watch=watch)
     per = [r.stats for r in results]
     stats.loss = loss if loss is not None else sum(s["loss"] for s in per)
     stats.tokens = sum(s["tokens"] for s in per)

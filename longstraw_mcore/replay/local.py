@@ -3,7 +3,8 @@
 Gradients are reduced per micro-step after every backward (a replay step with a loss, a chunk of the
 prompt backward, a prefix tree's segment); a transition's seconds count towards the phase it closes
 or opens (finish_capture: capture, enable_grad: replay, release_grad: prompt_backward); a prefix
-tree's segments count as replay."""
+tree's segments count as replay. Before each step is a safe point (replay/watch.py: where a run may
+stop), after it the group's progress."""
 
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ def execute_local(model, plan: list[Step], g: S.GroupInputs, state: PromptState,
     results: dict[int, S.BranchResult] = {}
     keep = g.cfg.mode == "exact"
     path = SegmentPath()
+    watch = g.watch
     for step in plan:
+        if watch is not None:
+            watch.before(step)  # a safe point: every rank of the lockstep group stops here, or none
         t0 = time.perf_counter()
         if step.phase in _TIMED_AS:
             S.transition(state, step, layout)
@@ -50,4 +54,6 @@ def execute_local(model, plan: list[Step], g: S.GroupInputs, state: PromptState,
             raise ValueError(f"unknown plan phase {step.phase!r}")
         phase = "replay" if step.phase in _REPLAY else _TIMED_AS.get(step.phase, step.phase)
         seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - t0
+        if watch is not None:
+            watch.done(step)
     return results, state, seconds

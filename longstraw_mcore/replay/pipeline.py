@@ -167,6 +167,8 @@ def _capture(core, model, steps: list[Step], g, state: PromptState, layout: CPLa
     def forward_step(data_iterator, model_):
         step = next(data_iterator)
         out = S.capture_chunk(core, state, step, g, layout, keep)
+        if g.watch is not None and core.pre_process:
+            g.watch.done(step)
         return out, lambda _: _loss(out.new_zeros(()), n)
 
     _replay_schedule(core, model, steps, forward_step, forward_only=True)
@@ -287,6 +289,8 @@ def _replay_and_sweep(core, model, steps: list[Step], g, state: PromptState, lay
 
     def forward_step(data_iterator, model_):
         step = next(data_iterator)
+        if g.watch is not None and core.pre_process:  # progress, counted at the first stage's forwards
+            g.watch.done(step)
         if step.phase == "segment":
             return segment(step)
         if step.phase == "segment_backward":
@@ -334,6 +338,8 @@ def execute_pipeline(model, plan: list[Step], g, state: PromptState, layout: CPL
             S.transition(state, step, layout)
             phase, i = ("capture" if step.phase == "finish_capture" else "replay"), i + 1
         else:
+            if g.watch is not None:
+                g.watch.before(step)  # the safe point before a schedule (none inside one)
             work = ("capture",) if step.phase == "capture" else ("replay", "prompt_backward", "segment",
                                                                   "segment_backward")
             j = i

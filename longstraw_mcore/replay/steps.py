@@ -55,6 +55,7 @@ class GroupInputs:
     responses: list[list[int]]
     loss_fn: BranchLoss | None
     cfg: ReplayConfig
+    watch: object = None                # replay/watch.Watch: progress and the safe points (None: neither)
 
 
 def stores_attention_probs(model, captured: int, cfg: ReplayConfig, batch: int, tokens: int) -> bool:

@@ -77,3 +77,16 @@ def newest_complete(root: str | Path, log=print) -> tuple[Path | None, list[str]
     if problems:
         raise CheckpointError(f"no usable checkpoint under {root}: " + "; ".join(problems))
     return None, problems
+
+
+def prune_steps(root: str | Path, keep: int) -> list[Path]:
+    """Remove all but the newest `keep` published step directories (train.keep_last; rank 0, after a
+    save). A step directory is renamed out of the way first, so a death leaves either it or nothing."""
+    assert keep >= 1, keep
+    removed = []
+    for _, d in published_steps(root)[:-keep]:
+        gone = d.with_name(f".{d.name}.stale")
+        os.replace(d, gone)
+        shutil.rmtree(gone, ignore_errors=True)
+        removed.append(d)
+    return removed

@@ -12,6 +12,7 @@ atomically; resume takes the newest complete one.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -20,8 +21,9 @@ from longstraw_mcore.bench.memory import peak_bytes
 from longstraw_mcore.checkpoint.dist_ckpt import read_checkpoint_meta
 from longstraw_mcore.config import ConfigError, RunConfig
 from longstraw_mcore.data.rollouts import RolloutGroup
-from longstraw_mcore.parallel.reduce import all_reduce_sum
+from longstraw_mcore.parallel.reduce import all_reduce_max, all_reduce_sum
 from longstraw_mcore.replay.group_step import process_group
+from longstraw_mcore.replay.watch import Stopped
 from longstraw_mcore.train.checkpoints import load_step, resume_newest, save_step
 
 
@@ -54,6 +56,21 @@ def finalize_grads(holder, par) -> None:
         holder.finish()
     else:
         finalize_model_grads([holder], pg_collection=par.pgs)
+
+
+def gradients_finite(holder, par) -> bool:
+    """Whether every rank's gradients are finite after the step's reduction (one max all-reduce over the
+    world): the sharded holder's shards, or Megatron DDP's buffers (whole: with the distributed
+    optimizer a rank's reduced part is its shard, the rest its own contributions, so a non-finite value
+    from any rank shows on some rank)."""
+    import torch
+
+    if hasattr(holder, "shard"):
+        flats = list(holder.shard)
+    else:
+        flats = [b.grad_data for b in holder.buffers + holder.expert_parallel_buffers]
+    bad = any(not bool(torch.isfinite(f).all()) for f in flats)
+    return all_reduce_max([float(bad)], None, par.device)[0] == 0.0
 
 
 def wrap_ddp(model, cfg: RunConfig, par):
@@ -100,19 +117,32 @@ def build_optimizer(ddp, cfg: RunConfig, par):
 
 class Trainer:
     def __init__(self, cfg: RunConfig, par, ddp, optimizer, groups: list[RolloutGroup], ref_model=None, log=print,
-                 online=None):
+                 online=None, stop=None):
         """`groups`: the rollouts file's groups; or `online` (rollout/online.OnlineGroups): groups sampled
-        from the current policy at every step."""
+        from the current policy at every step. `stop`: train/stop.StopOnSignals (None: no stopping)."""
+        from longstraw_mcore.replay.watch import Watch
+
         self.cfg, self.par, self.ddp, self.opt = cfg, par, ddp, optimizer
         self.groups, self.ref_model, self.log, self.online = groups, ref_model, log, online
         self.step = 0
         self.history: list[dict] = []
+        self.stop = stop
+        self.watch = Watch(log if par.rank == 0 else None, cfg.replay.progress_every_s, stop, par.lockstep,
+                           par.device)
+        self.bad_in_a_row = 0
+        self.skipped_updates = 0
 
     def _dp_rank(self) -> int:
         return self.par.pgs.dp.rank()
 
     def run_step(self) -> dict:
-        """One optimizer step over this rank's groups; returns the step's metrics (same on every rank)."""
+        """One optimizer step over this rank's groups; returns the step's metrics (same on every rank).
+
+        Stopping (train/stop.py): a group's plan left at a safe point (`Stopped`) abandons the step: every
+        rank still joins the step's reductions, then none updates, `self.step` stays the last completed
+        one and the metrics say {"stopped": True}. A request seen only at the step's end lets it finish
+        ({"stop_requested": True}). Non-finite loss or gradients: no update, `update_ok` False, counted
+        (`skipped_updates`, `bad_steps_in_a_row`)."""
         cfg, par = self.cfg, self.par
         self.step += 1
         t0 = time.perf_counter()
@@ -131,20 +161,36 @@ class Trainer:
                     (group_index(self.step, self._dp_rank(), i, par.dp, gps, len(self.groups)) for i in range(gps))]
         t_sample = time.perf_counter() - t_sample
         states = self.online.states if self.online is not None else {}
-        for gi, group in mine:
-            st = process_group(self.ddp, group, cfg.replay, cfg.grpo, scale=1.0 / gps,
-                               ref_model=self.ref_model, index=gi, state=states.get(gi))
-            for j, x in enumerate((st.loss, st.reward_mean, st.tokens, st.clipped, st.kl_sum, float(st.skipped), 1.0,
-                                   st.state_bytes + st.ref_state_bytes, len(group.prompt), st.trained_tokens,
-                                   st.replayed_tokens)):
-                acc[j] += x
-        finalize_grads(self.ddp, par)
+        stopped = False
+        try:
+            for gi, group in mine:
+                st = process_group(self.ddp, group, cfg.replay, cfg.grpo, scale=1.0 / gps,
+                                   ref_model=self.ref_model, index=gi, state=states.get(gi), watch=self.watch)
+                for j, x in enumerate((st.loss, st.reward_mean, st.tokens, st.clipped, st.kl_sum, float(st.skipped),
+                                       1.0, st.state_bytes + st.ref_state_bytes, len(group.prompt), st.trained_tokens,
+                                       st.replayed_tokens)):
+                    acc[j] += x
+        except Stopped:
+            stopped = True  # this rank's lockstep group left its plan; the others learn below
+        finalize_grads(self.ddp, par)  # (every rank joins: the sharded reduction's rounds, DDP's reduce)
+        requested = self.stop is not None and self.stop.requested
+        stop = all_reduce_max([float(stopped), float(requested)], None, par.device)  # the world agrees
+        if stop[0] > 0:
+            self.step -= 1  # abandoned: no update; the checkpoint and the resumed run start from the last step
+            return {"stopped": True, "abandoned_step": self.step + 1}
         acc = all_reduce_sum(acc, par.pgs.dp, par.device)
         n = acc[6]
+        bad = False
         if acc[5] == n:  # every group of the step had zero advantage: no gradient, no update
             ok, grad_norm = False, 0.0  # (Adam's momentum would still move the weights on zero grads)
+        elif not (math.isfinite(acc[0]) and gradients_finite(self.ddp, par)):
+            # skipped before the optimizer: Megatron's bf16 path checks for inf only with a loss scaler
+            ok, grad_norm, bad = False, float("nan"), True
         else:
             ok, grad_norm, _ = self.opt.step()
+            bad = not ok  # (the optimizer's own check: a non-finite norm)
+        self.bad_in_a_row = self.bad_in_a_row + 1 if bad else 0
+        self.skipped_updates += int(bad)
         metrics = {
             "step": self.step, "loss": acc[0] / n, "reward_mean": acc[1] / n,
             "clip_frac": acc[3] / max(acc[9], 1.0), "kl": acc[4] / max(acc[9], 1.0),  # per trained token
@@ -154,7 +200,10 @@ class Trainer:
             "replayed_fraction": acc[10] / acc[2] if acc[2] else 0.0,  # of the response tokens (skipped groups: 0)
             "seconds": time.perf_counter() - t0, "peak_bytes": peak_bytes(par.device),
             "state_bytes": int(acc[7] / n), "prompt_tokens": int(acc[8]),
+            "skipped_updates": self.skipped_updates, "bad_steps_in_a_row": self.bad_in_a_row,
         }
+        if stop[1] > 0:
+            metrics["stop_requested"] = True
         if self.online is not None:
             metrics["sample_seconds"] = t_sample
             metrics["reused_states"] = self.online.reused  # groups replayed against an earlier step's capture
