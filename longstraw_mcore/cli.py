@@ -18,7 +18,8 @@ Subcommands (each in commands/):
 Every subcommand takes `--config CFG` and trailing `key=value` overrides (e.g. parallel.tp=2).
 Exit status: 0 done; 2 bad input (config, layout, rollouts, checkpoint), with one line naming it;
 3 `train` stopped after train.max_bad_steps non-finite steps in a row (a checkpoint of the last good
-step kept); 75 `train` stopped on a signal (train.stop_signals) after saving the last completed step:
+step kept); 4 a collective did not complete within LONGSTRAW_DIST_TIMEOUT_S (gloo; NCCL's watchdog
+aborts the process, naming the operation); 75 `train` stopped on a signal (train.stop_signals) after saving the last completed step:
 run it again (with --resume, or as the same Slurm job) to continue; anything else: a crash.
 """
 
@@ -29,6 +30,7 @@ import sys
 
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
+EXIT_TIMEOUT = 4
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,14 +131,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    import importlib
+def quiet_expected_warnings() -> None:
+    """What every rank of a CPU run used to print and nobody needs: Megatron's warnings that TE / apex /
+    absl are absent (the expected CPU set-up), torch's "No CUDA runtime is found" (logged when Megatron
+    imports torch.utils.cpp_extension), the deprecation of all_gather_into_tensor that Megatron 0.19
+    still calls, Megatron's note that its "async" save is deprecated (logged for every synchronous
+    dist-checkpoint save), and torch.distributed.checkpoint's two warnings on loading one."""
+    import logging
     import warnings
 
-    # Megatron warns at import that TE / apex / absl are absent; on CPU that is the expected set-up.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.|$)")
-    # Megatron 0.19 still calls all_gather_into_tensor, which torch >= 2.12 marks deprecated
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    # torch.distributed.checkpoint on every rank's load of Megatron's dist checkpoint: the process group
+    # is there (its check looks at another one), and the argument order is Megatron's to follow
+    warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
+    warnings.filterwarnings("ignore", message=r"The argument order of load has been changed")
+
+    class _NotAsyncDeprecation(logging.Filter):
+        def filter(self, record):
+            return "async save is deprecated" not in record.getMessage()
+    logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(_NotAsyncDeprecation())
+
+
+def main(argv=None) -> int:
+    import importlib
+
+    quiet_expected_warnings()
     args = build_parser().parse_args(argv)
     from longstraw_mcore.checkpoint.common import CheckpointError
     from longstraw_mcore.commands.common import is_rank0
@@ -155,6 +176,29 @@ def main(argv=None) -> int:
         if is_rank0():
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
+    except RuntimeError as e:
+        if "Timed out" not in str(e):
+            raise
+        print(f"error: {collective_timeout(e)}", file=sys.stderr, flush=True)
+        return EXIT_TIMEOUT
+
+
+def collective_timeout(e: BaseException) -> str:
+    """One line for a collective that did not complete in time (gloo raises it; NCCL's watchdog aborts the
+    process with its own line naming the operation): this rank, the timeout, and where the collective was
+    called (the innermost frames outside torch, and in this package)."""
+    import os
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    outside = [f for f in frames if f"{os.sep}torch{os.sep}" not in f.filename]
+    ours = [f for f in frames if f"{os.sep}longstraw_mcore{os.sep}" in f.filename]
+    where = "; ".join(dict.fromkeys(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})"
+                                    for f in (outside[-1:] + ours[-1:])))
+    limit = os.environ.get("LONGSTRAW_DIST_TIMEOUT_S", "the default")
+    return (f"rank {os.environ.get('RANK', '0')}: a collective did not complete within {limit} s "
+            f"(LONGSTRAW_DIST_TIMEOUT_S) in {where}: a peer rank stopped or is stuck elsewhere; its own output says "
+            f"why ({str(e).splitlines()[0][-120:]})")
 
 
 if __name__ == "__main__":

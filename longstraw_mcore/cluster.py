@@ -1,13 +1,18 @@
-"""What a cluster launch computes, as plain functions (tested with a simulated Slurm environment): the
-node list, the head node, ranks per node, and the `torchrun` command each node runs.
+"""What a cluster launch computes, as plain functions (tested with a simulated Slurm environment and a
+real one-node Slurm): the node list, the head node, ranks per node (and where that number came from),
+the master port, and the launcher command each node runs.
 
-  python -m longstraw_mcore.cluster torchrun-args [--port P] [--log-dir DIR] -- SUBCOMMAND ARGS...
+  python -m longstraw_mcore.cluster launch-args [--port P] [--log-dir DIR] [--python PY] -- SUBCOMMAND ARGS...
+  python -m longstraw_mcore.cluster describe
 
-prints, for this node of the Slurm allocation, the command line (shell-quoted) that runs
-`python -m longstraw_mcore SUBCOMMAND ARGS...` under torchrun with c10d rendezvous on the first node
-of the allocation. launch/slurm.sbatch runs it once per node (`srun --ntasks-per-node=1`).
+`launch-args` prints, for this node of the Slurm allocation, the command line (shell-quoted) of
+longstraw_mcore/launcher.py that starts this node's ranks of `SUBCOMMAND ARGS...`, every node meeting at
+the first node of the allocation; launch/slurm.sbatch runs it once per node (`srun --ntasks-per-node=1`).
 Ranks per node: LONGSTRAW_PROCS_PER_NODE if set (CPU runs), else the GPUs Slurm gave the node
-(SLURM_GPUS_ON_NODE, or SLURM_GPUS_PER_NODE such as "h100:8"), else SLURM_NTASKS_PER_NODE.
+(SLURM_GPUS_ON_NODE, or SLURM_GPUS_PER_NODE such as "h100:8"), else SLURM_NTASKS_PER_NODE (said so:
+on CPU that is usually 1). The master port: --port, else derived from the job id (job_port), so two
+jobs sharing a node do not meet at the same port (a fixed 29500 made the second join the first's store).
+`describe` prints the allocation in one line (what slurm.sbatch shows before it starts).
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ class Allocation:
     node_rank: int
     procs_per_node: int
     job_id: str
+    procs_from: str = ""
+    """The environment variable the ranks per node came from."""
 
     @property
     def head(self) -> str:
@@ -102,18 +109,39 @@ def slurm_allocation(env: dict) -> Allocation:
         raise LaunchError("ranks per node unknown: request GPUs (--gpus-per-node) or set LONGSTRAW_PROCS_PER_NODE")
     if per < 1:
         raise LaunchError(f"ranks per node {per}: must be >= 1")
-    return Allocation(hosts=hosts, node_rank=node, procs_per_node=per, job_id=env.get("SLURM_JOB_ID", "0"))
+    return Allocation(hosts=hosts, node_rank=node, procs_per_node=per, job_id=env.get("SLURM_JOB_ID", "0"),
+                      procs_from=key)
 
 
-def torchrun_argv(a: Allocation, entry: list[str], python: str = sys.executable, port: int = 29500,
+PORT_BASE, PORT_SPAN = 20000, 12000
+"""Derived master ports lie in [20000, 32000): below Linux's ephemeral range (32768-60999), so a port
+some connection picked at random is not in the way."""
+
+
+def job_port(job_id: str) -> int:
+    """The master port of a job: PORT_BASE + job id mod PORT_SPAN (jobs sharing a node differ unless their
+    ids differ by a multiple of 12,000)."""
+    digits = "".join(ch for ch in str(job_id) if ch.isdigit()) or "0"
+    return PORT_BASE + int(digits) % PORT_SPAN
+
+
+def launcher_argv(a: Allocation, entry: list[str], python: str = sys.executable, port: int | None = None,
                   log_dir: str | None = None) -> list[str]:
-    """The command this node runs: torchrun with c10d rendezvous at the head node, then the entry point."""
-    argv = [python, "-m", "torch.distributed.run", "--nnodes", str(len(a.hosts)), "--node-rank", str(a.node_rank),
-            "--nproc-per-node", str(a.procs_per_node), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"{a.head}:{port}", "--rdzv-id", str(a.job_id)]
-    if log_dir:  # one stdout/stderr file per rank under log_dir, and on the console
-        argv += ["--log-dir", log_dir, "--redirects", "3", "--tee", "3"]
-    return argv + ["-m", "longstraw_mcore", *entry]
+    """The command this node runs: longstraw_mcore/launcher.py with this node's ranks, meeting at the head."""
+    argv = [python, "-m", "longstraw_mcore.launcher", "--nproc", str(a.procs_per_node), "--nnodes", str(len(a.hosts)),
+            "--node-rank", str(a.node_rank), "--master-addr", a.head,
+            "--master-port", str(job_port(a.job_id) if port is None else port)]
+    if log_dir:  # one file per rank under log_dir/node<R>/, and on the console with the global rank
+        argv += ["--log-dir", log_dir]
+    return argv + ["--", *entry]
+
+
+def describe(a: Allocation, port: int | None = None) -> str:
+    note = (" (no GPUs requested: for a CPU run set LONGSTRAW_PROCS_PER_NODE)"
+            if a.procs_from == "SLURM_NTASKS_PER_NODE" else "")
+    return (f"{len(a.hosts)} node(s) {','.join(a.hosts[:4])}{',...' if len(a.hosts) > 4 else ''}, "
+            f"{a.procs_per_node} rank(s) per node from {a.procs_from}{note}, {a.world_size} rank(s), master "
+            f"{a.head}:{job_port(a.job_id) if port is None else port}")
 
 
 def main(argv=None) -> int:
@@ -122,8 +150,8 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m longstraw_mcore.cluster", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["torchrun-args", "world-size"])
-    p.add_argument("--port", type=int, default=29500)
+    p.add_argument("what", choices=["launch-args", "world-size", "describe"])
+    p.add_argument("--port", type=int, default=None, help="master port (default: derived from the job id)")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--python", default=sys.executable)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -137,11 +165,13 @@ def main(argv=None) -> int:
     if a.what == "world-size":
         print(alloc.world_size)
         return 0
+    if a.what == "describe":
+        print(describe(alloc, a.port))
+        return 0
     if not entry:
         print("error: give the longstraw subcommand after --", file=sys.stderr)
         return 2
-    log_dir = os.path.join(a.log_dir, f"node{alloc.node_rank}") if a.log_dir else None
-    print(shlex.join(torchrun_argv(alloc, entry, a.python, a.port, log_dir)))
+    print(shlex.join(launcher_argv(alloc, entry, a.python, a.port, a.log_dir)))
     return 0
 
 

@@ -68,15 +68,20 @@ PY
   fi
   touch "$(stamp test)"
 fi
-if [ "$extra" = "--test" ] && ! command -v mpirun >/dev/null 2>&1; then
-  # The mpi4py bootstrap test runs `mpirun -np 2`: Open MPI from Debian's packages, where we may install.
+# System packages the tests use, from Debian's packages where we may install (apt-get, as root or sudo):
+# Open MPI for the mpirun bootstrap test, Slurm (slurm-wlm + munge) for the one-node Slurm tests.
+need=()
+command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
+{ command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1; } || need+=(slurm-wlm munge)
+if [ "$extra" = "--test" ] && [ ${#need[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || sudo -n true 2>/dev/null; }; then
     sudo_=""; [ "$(id -u)" = 0 ] || sudo_="sudo -n"
-    echo "[env] installing openmpi-bin (apt-get) for the mpirun bootstrap test" >&2
-    { $sudo_ apt-get install -y -q openmpi-bin || { $sudo_ apt-get update -q && $sudo_ apt-get install -y -q openmpi-bin; }; } >&2 \
-      || echo "[env] warning: could not install openmpi-bin; the mpirun test will be skipped" >&2
+    echo "[env] installing ${need[*]} (apt-get) for the mpirun and Slurm tests" >&2
+    { DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -q "${need[@]}" \
+        || { $sudo_ apt-get update -q && DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -q "${need[@]}"; }; } >&2 \
+      || echo "[env] warning: could not install ${need[*]}; the tests that need them will be skipped, saying so" >&2
   else
-    echo "[env] warning: no mpirun and no apt-get/root to install openmpi-bin; the mpirun test will be skipped" >&2
+    echo "[env] warning: ${need[*]} missing and no apt-get/root to install them; the mpirun / Slurm tests will be skipped" >&2
   fi
 fi
 echo "$venv"

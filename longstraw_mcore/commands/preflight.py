@@ -25,6 +25,18 @@ def check_run(cfg: RunConfig, cmd: str, world_size: int | None) -> int | None:
     return None if world_size is None else p.dp_for(world_size)
 
 
+def check_sampling(cfg: RunConfig, what: str) -> None:
+    """Sampling (`rollout`, `train --online`) under expert parallelism: the data-parallel ranks sample
+    different prompts, whose responses stop after different numbers of decode steps, while every MoE
+    layer call is an all-to-all their EP group must make together; refused before anything starts
+    rather than left to wait on a peer that has stopped decoding."""
+    if cfg.parallel.ep > 1:
+        raise ConfigError(f"{what} with parallel.ep={cfg.parallel.ep}: sampling is not built for expert parallelism "
+                          "(the ranks of an EP group decode different prompts for different numbers of steps, and "
+                          "their MoE all-to-alls need lockstep); sample with parallel.ep=1 (a rollouts file) and "
+                          "train on it with expert parallelism")
+
+
 def check_groups(cfg: RunConfig, groups, has_ref_model: bool) -> None:
     """The rollouts against the objective, and the reference model against what needs it."""
     from longstraw_mcore.data.rollouts import RolloutError

@@ -18,7 +18,7 @@ import os
 
 from longstraw_mcore.commands.common import (build_and_load, launch_world_size, load_run_config, rank0_print,
                                              resolve_adapter)
-from longstraw_mcore.commands.preflight import check_run
+from longstraw_mcore.commands.preflight import check_run, check_sampling
 from longstraw_mcore.config import ConfigError
 
 
@@ -46,6 +46,7 @@ def _read_prompts(path: str, cfg) -> list[tuple[list[int], list[int] | None]]:
 def run(args) -> int:
     cfg, adapter = resolve_adapter(args, load_run_config(args))
     check_run(cfg, "rollout", launch_world_size())
+    check_sampling(cfg, "rollout")
     if args.task_prompts is not None:
         if args.task_prompts < 1:
             raise ConfigError(f"--task-prompts {args.task_prompts}: must be >= 1")

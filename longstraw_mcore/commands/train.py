@@ -10,7 +10,7 @@ from pathlib import Path
 
 from longstraw_mcore.commands.common import (build_and_load, launch_world_size, load_run_config, rank0_print,
                                              reference_model, resolve_adapter, trained_description)
-from longstraw_mcore.commands.preflight import check_fits, check_groups, check_run, check_save_dir
+from longstraw_mcore.commands.preflight import check_fits, check_groups, check_run, check_sampling, check_save_dir
 from longstraw_mcore.train.checkpoint_dirs import prune_steps, published_steps
 from longstraw_mcore.train.run_dir import job_id, release, same_job, try_lock, write_identity
 from longstraw_mcore.train.stop import STOPPED_EXIT, StopOnSignals
@@ -43,6 +43,7 @@ def run(args) -> int:
         raise ConfigError(f"replay.reuse_steps={cfg.replay.reuse_steps}: reusing a capture samples new branches "
                           "each step, which needs `train --online`")
     if online:
+        check_sampling(cfg, "train --online")
         groups = [_online_shape(cfg)]
     else:
         groups = load_rollouts(args.rollouts, cfg.model.vocab_size)

@@ -55,10 +55,12 @@ def run(args) -> int:
                    par)
     ref = reference_model(args, cfg, par)
     dp_rank, n = par.pgs.dp.rank(), len(groups)
-    mine = [i for i in range(n) if i % par.dp == dp_rank]
     ddp.zero_grad_buffer()
     results, seconds = {}, {}
-    for i in mine:
+    for i, stand_in in _slots(n, par.dp, dp_rank, par.ep):
+        if stand_in:  # (expert parallelism: its all-to-alls need this rank; the group's gradient counts 0 times)
+            process_group(ddp, groups[i], cfg.replay, cfg.grpo, scale=0.0, ref_model=ref, index=i)
+            continue
         st = process_group(ddp, groups[i], cfg.replay, cfg.grpo, scale=par.dp / n, ref_model=ref, index=i)
         results[i] = {"loss": st.loss, "logprobs": st.logprobs, "skipped": st.skipped, "state_bytes": st.state_bytes,
                       "ref_state_bytes": st.ref_state_bytes, "tokens": st.tokens, "replayed": st.replayed_tokens}
@@ -116,6 +118,16 @@ def run(args) -> int:
                     + (" and grads.safetensors" if args.dump_grads else ""))
     dist.barrier()
     return 0
+
+
+def _slots(n: int, dp: int, dp_rank: int, ep: int) -> list[tuple[int, bool]]:
+    """(group, stand-in?) this data-parallel rank replays: groups dp_rank, dp_rank + dp, ...; under expert
+    parallelism every rank runs ceil(n / dp) of them, a rank past the last group replaying group
+    (slot % n) as a stand-in with its gradient scaled by 0, because the ranks of an EP group exchange
+    tokens in every MoE layer and must all run each step (without EP a rank with no group only joins the
+    reduction at the end, which every rank reaches)."""
+    slots = -(-n // dp) if ep > 1 else 0
+    return [(i % n, i >= n) for i in range(dp_rank, max(n, slots * dp), dp)]
 
 
 def _layer_receipt(m, touched: dict) -> dict:

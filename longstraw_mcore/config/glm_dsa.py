@@ -57,6 +57,13 @@ class GlmDsaConfig(ModelBase):
     dtype: DType = "float32"
     make_vocab_size_divisible_by: int = 1
 
+    def architecture(self) -> dict:
+        """ModelBase.architecture with the IndexShare schedule as the layers' indexer types (the
+        frequency and offset only derive them when a config gives no list)."""
+        out = super().architecture()
+        del out["index_topk_freq"], out["index_skip_topk_offset"]
+        return out
+
     def __post_init__(self) -> None:
         check_choices(self, "model")
         check_ints(self, "model", ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_attention_heads",

@@ -13,6 +13,16 @@ class ModelBase:
     """Mixed into each family's model config (it has no fields of its own); needs `vocab_size`,
     `make_vocab_size_divisible_by` and `dtype`."""
 
+    RUN_SETTINGS = ("dtype", "make_vocab_size_divisible_by", "attention_block", "gdn_chunk_size", "index_block")
+    """Fields that say how this run computes, not which model it is: a Hugging Face config.json does not
+    hold them (read_config leaves their defaults), and two configs of one model may differ in them."""
+
+    def architecture(self) -> dict:
+        """The fields that define the model (its checkpoint's config.json), without RUN_SETTINGS."""
+        import dataclasses
+
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RUN_SETTINGS}
+
     def padded_vocab_size(self, tp: int) -> int:
         """Megatron's rule: the smallest multiple of make_vocab_size_divisible_by * tp >= vocab_size."""
         multiple = self.make_vocab_size_divisible_by * tp

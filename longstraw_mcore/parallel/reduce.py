@@ -53,11 +53,23 @@ def count_parameters(model, par) -> int:
 
 def grad_norm(model, par) -> float:
     """L2 norm of the whole model's gradient (`.grad`, or Megatron DDP's `main_grad`), in float64 on
-    the device; data-parallel replicas hold the same values and are not summed."""
-    sq = torch.zeros((), dtype=torch.float64, device=par.device)
+    the device; data-parallel replicas hold the same values and are not summed. Routed experts
+    (Megatron marks them `allreduce = False`) are whole on their expert-parallel rank, each EP rank
+    holding others: their squares are summed over the EP group (then over the pipeline stages), the
+    other parameters' over tensor and pipeline parallel (TP-replicated ones counted once)."""
+    dense = torch.zeros((), dtype=torch.float64, device=par.device)
+    expert = torch.zeros((), dtype=torch.float64, device=par.device)
     for p in model.parameters():
         g = getattr(p, "main_grad", None) if p.grad is None else p.grad
-        if g is not None and _owned(p):
-            sq += g.detach().to(torch.float64).pow(2).sum()
-    total = model_parallel_sum([sq.item()], par)[0]  # .item(): the sum of squares travels as a number
-    return total ** 0.5
+        if g is None:
+            continue
+        if not getattr(p, "allreduce", True):
+            expert += g.detach().to(torch.float64).pow(2).sum()
+        elif _owned(p):
+            dense += g.detach().to(torch.float64).pow(2).sum()
+    # .item(): the sums of squares travel as numbers
+    total = model_parallel_sum([dense.item()], par)[0]
+    ep = getattr(par.pgs, "ep", None)
+    experts = all_reduce_sum([expert.item()], ep, par.device)[0] if ep is not None else expert.item()
+    experts = all_reduce_sum([experts], par.pgs.pp, par.device)[0] if par.pp > 1 else experts
+    return (total + experts) ** 0.5

@@ -4,7 +4,8 @@
 (the group's share of the step objective), runs the exact-mode prompt backward, and returns the
 group's metrics. Gradients accumulate into whatever the model accumulates into (param.grad, or the
 DDP grad buffers). A GRPO group whose rewards are all equal and beta == 0 is skipped without any
-model work (counted); with beta > 0 its KL term still trains. Reference log-probs come from the
+model work (counted), except under expert parallelism, where its EP peers' MoE all-to-alls need this
+rank: there it is replayed with zero advantages and no gradient; with beta > 0 its KL term still trains. Reference log-probs come from the
 rollouts or, where a group has none, from `ref_model` scored by a no-grad replay (GRPO's KL term,
 DPO's reference margin).
 """
@@ -19,6 +20,7 @@ from longstraw_mcore.data.rollouts import RolloutGroup
 from longstraw_mcore.loss import dpo
 from longstraw_mcore.loss.grpo import advantages, group_loss_fn
 from longstraw_mcore.replay.engine import group_replay_steps, run_group, score_group, steps_tokens
+from longstraw_mcore.replay.steps import in_ep_lockstep
 
 
 @dataclass
@@ -77,7 +79,11 @@ def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConf
             stats.skipped = True
             stats.tokens = sum(len(r) for r in group.responses)
             stats.trained_tokens = sum(group.trained_tokens())
-            return stats
+            if not in_ep_lockstep(model):
+                return stats
+            # expert parallelism: the EP group's other ranks replay their groups now, and every MoE layer
+            # exchanges tokens with this rank, so it replays this one too, with no gradient (advantages 0)
+            adv, scale = [0.0] * len(group.responses), 0.0
         if gcfg.beta > 0 and group.ref_logprobs is None:
             if ref_model is None:
                 raise ValueError(f"group {index}: grpo.beta={gcfg.beta} needs ref_logprobs in the rollouts or a "
@@ -94,6 +100,9 @@ def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConf
     results, state, seconds = run_group(model, group.prompt, group.responses, _scaled(fn, scale), rcfg, timed=True,
                                         state=state, replay=replay, watch=watch)
     per = [r.stats for r in results]
+    if stats.skipped:  # (replayed under EP for its peers only)
+        stats.seconds = seconds
+        return stats
     stats.loss = loss if loss is not None else sum(s["loss"] for s in per)
     stats.tokens = sum(s["tokens"] for s in per)
     stats.trained_tokens = sum(s.get("trained", s["tokens"]) for s in per)

@@ -90,6 +90,13 @@ def new_state(core, plan: list[Step], g: GroupInputs, layout: CPLayout | None) -
     return state
 
 
+def in_ep_lockstep(model) -> bool:
+    """Whether this rank's MoE layers exchange tokens with other data-parallel ranks (EP > 1): then every
+    rank of the EP group must run each step of a plan (same_schedule_over_ep)."""
+    ep = getattr(core_of(model).pg_collection, "ep", None)
+    return ep is not None and ep.size() > 1
+
+
 def same_schedule_over_ep(core, plan: list[Step]) -> None:
     """Expert parallelism: every MoE layer call is an all-to-all over the EP group, so its ranks must call
     every layer equally often, in the same order (lockstep); token counts may differ (the dispatcher
