@@ -61,8 +61,9 @@ def _status(code: int) -> int:
 class Ranks:
     """This node's rank processes, their output pumps and the forwarding of signals."""
 
-    def __init__(self, entry: list[str], nproc: int, nnodes: int, node_rank: int, addr: str, port: int,
-                 log_dir: str | None, python: str = sys.executable):
+    def __init__(self, command: list[str], nproc: int, nnodes: int, node_rank: int, addr: str, port: int,
+                 log_dir: str | None):
+        """`command`: what every rank runs (`python -m longstraw_mcore SUBCOMMAND ARGS...`)."""
         self.lock = threading.Lock()
         self.procs, self.threads, self.logs = [], [], []
         world = nproc * nnodes
@@ -72,7 +73,7 @@ class Ranks:
         for local in range(nproc):
             rank = node_rank * nproc + local
             env = rank_env(dict(os.environ, PYTHONUNBUFFERED="1"), nproc, nnodes, node_rank, local, addr, port)
-            p = subprocess.Popen([python, "-m", "longstraw_mcore", *entry], env=env, stdout=subprocess.PIPE,
+            p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1,
                                  start_new_session=True)
             log = open(node_dir / f"rank{rank}.log", "a") if node_dir is not None else None
@@ -119,7 +120,7 @@ class Ranks:
                 log.close()
         if first is None:
             return 0
-        if len(self.procs) > 1 and first[1] not in (2, 3, 75):  # the known ones said why on rank 0 already
+        if len(self.procs) > 1 and first[1] not in (2, 3, 4, 75):  # the known ones said why on rank 0 already
             self._say(f"rank {first[0]} exited with status {first[1]} (its output above"
                       + (", and its log file" if self.logs[0] is not None else "") + ")")
         return first[1]
@@ -170,7 +171,8 @@ def main(argv=None) -> int:
         print("error: --master-port is needed with --nnodes > 1 (every node must use the same one)", file=sys.stderr)
         return 2
     port = a.master_port if a.master_port is not None else free_port()
-    ranks = Ranks(entry, a.nproc, a.nnodes, a.node_rank, a.master_addr, port, a.log_dir)
+    ranks = Ranks([sys.executable, "-m", "longstraw_mcore", *entry], a.nproc, a.nnodes, a.node_rank, a.master_addr,
+                  port, a.log_dir)
     for sig in FORWARDED:
         signal.signal(sig, lambda s, f: ranks.send(s))
     return ranks.wait(a.grace)

@@ -8,6 +8,10 @@
 - While the resumed run holds the directory, a second run on it is refused with exit 2 and one line
   naming the directory and the holder (host, pid), before it builds a model; the checkpoint of step 3
   is untouched (same manifest, still verifies). A SIGUSR1 stops the resumed run too (exit 75).
+- train.keep_last=2 with a checkpoint every step leaves the newest two.
+- Non-finite steps (train.lr=1e30 blows the weights up after step 1): no update is made by them, they
+  are counted (skipped_updates), and train.max_bad_steps=2 in a row stop the run with exit 3, one error
+  line naming the step, and a checkpoint.
 What it does not cover: Slurm's own signalling and requeue (tests/dist/test_slurm.py), the lock's
 stale cases (tests/unit/test_run_dir.py)."""
 
@@ -52,10 +56,12 @@ def test_sigterm_checkpoints_the_step_reached_resume_is_exact_and_a_held_directo
               "replay.mode=exact", "replay.chunk_len=16", "train.save_every=100"]
     ck = tmp_path / "ck"
 
-    a = _launch(2, "train", "--steps", "5", "--metrics-out", str(tmp_path / "a.jsonl"), *common)
+    a = _launch(2, "train", "--steps", "5", "--metrics-out", str(tmp_path / "a.jsonl"), "--save", str(tmp_path / "a"),
+                *common, "train.save_every=1", "train.keep_last=2")
     out, err = a.communicate(timeout=600)
     assert a.returncode == 0, err[-3000:]
     uninterrupted = _metrics(tmp_path / "a.jsonl")
+    assert sorted(p.name for p in (tmp_path / "a").glob("step_*")) == ["step_000004", "step_000005"]  # keep_last
 
     b = _launch(2, "train", "--steps", "100", "--save", str(ck), "--metrics-out", str(tmp_path / "b.jsonl"), *common)
     _wait_steps(tmp_path / "b.jsonl", 3, b)
@@ -92,3 +98,20 @@ def test_sigterm_checkpoints_the_step_reached_resume_is_exact_and_a_held_directo
         print(f"step {got['step']}: resumed loss {got['loss']!r} grad norm {got['grad_norm']!r}; uninterrupted "
               f"{want['loss']!r} {want['grad_norm']!r}")
         assert (got["step"], got["loss"], got["grad_norm"]) == (want["step"], want["loss"], want["grad_norm"])
+
+
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path):
+    subprocess.run([sys.executable, "tools/make_rollouts.py", str(tmp_path / "r.jsonl"), "--vocab", "512",
+                    "--groups", "4", "--prompt-len", "40", "--group-size", "3", "--response-len", "6"],
+                   cwd=ROOT, check=True, capture_output=True)
+    p = _launch(2, "train", "--config", "configs/qwen3.6-tiny.yaml", "--rollouts", str(tmp_path / "r.jsonl"),
+                "--steps", "8", "--save", str(tmp_path / "ck"), "--metrics-out", str(tmp_path / "m.jsonl"),
+                "train.lr=1e30", "train.clip_grad=0", "train.max_bad_steps=2")
+    out, err = p.communicate(timeout=600)
+    m = _metrics(tmp_path / "m.jsonl")
+    errors = [ln for ln in err.splitlines() if "error:" in ln]
+    print(f"exit {p.returncode}; updates {[x['update_ok'] for x in m]}, skipped {[x['skipped_updates'] for x in m]}; "
+          f"{errors}")
+    assert p.returncode == 3 and len(errors) == 1 and "step 3: 2 steps in a row had a non-finite loss" in errors[0]
+    assert [x["update_ok"] for x in m] == [True, False, False] and m[-1]["skipped_updates"] == 2
+    assert sorted(q.name for q in (tmp_path / "ck").glob("step_*")) == ["step_000003"]
