@@ -4,8 +4,10 @@ Layout under `--save ROOT`:
 
     step_000010/              a complete checkpoint: the model as a Megatron distributed checkpoint
                               (layout-free; with adapters, only they, as a PEFT directory `adapter/`:
-                              the frozen base is the run's --hf), optimizer_rank*.pt (the torch optimizers' states, one per
-                              rank: bit-exact resume at the same layout), longstraw_model.json
+                              the frozen base is the run's --hf), optimizer/ (Adam's state in the model's
+                              coordinates: train/optimizer_state.py, resumes at any layout; with the distributed
+                              optimizer or adapters instead optimizer_rank*.pt, the torch optimizers' states
+                              per rank: the same layout only), longstraw_model.json
                               (model config, layout, step), metrics.json, manifest.json (size of
                               every other file)
     latest                    name of the newest published step, switched last (atomic rename)
@@ -77,8 +79,10 @@ def _load_model(model, path: Path) -> None:
 
 
 def save_step(root: str | Path, step: int, model, torch_optimizers: list, model_cfg, layout: dict, history: list,
-              extra: dict, fault: Callable[[str], None] | None = None, rank_extra: dict | None = None) -> Path:
-    """Write and publish step `step` from every rank (collective)."""
+              extra: dict, fault: Callable[[str], None] | None = None, rank_extra: dict | None = None,
+              optimizer=None) -> Path:
+    """Write and publish step `step` from every rank (collective). `optimizer`: written layout-free
+    (train/optimizer_state.py) into `optimizer/`; None: the torch optimizers' states per rank."""
     fault = fault or (lambda point: None)
     root = Path(root).resolve()
     rank = dist.get_rank()
@@ -90,9 +94,14 @@ def save_step(root: str | Path, step: int, model, torch_optimizers: list, model_
     dist.barrier()
     _write_model(model, tmp)
     fault("model")
-    opt_file = tmp / f"optimizer_rank{rank:05d}.pt"
-    torch.save({"torch_optimizers": [o.state_dict() for o in torch_optimizers], "layout": layout, "rank": rank,
-                "extra": rank_extra}, opt_file)
+    if optimizer is not None:
+        from longstraw_mcore.train import optimizer_state
+
+        optimizer_state.save(optimizer, model, tmp / optimizer_state.OPTIMIZER_DIR)
+    else:
+        opt_file = tmp / f"optimizer_rank{rank:05d}.pt"
+        torch.save({"torch_optimizers": [o.state_dict() for o in torch_optimizers], "layout": layout, "rank": rank,
+                    "extra": rank_extra}, opt_file)
     dist.barrier()
     fault("optimizer")
     if rank == 0:
@@ -133,8 +142,10 @@ def _load_optimizers(path: Path, torch_optimizers: list, load_extra) -> str | No
 
 
 def load_step(path: Path, model, torch_optimizers: list, reload_main_params: Callable[[], None],
-              load_extra: Callable[[dict], None] | None = None) -> tuple[int, list]:
-    """Load model and optimizer states of a verified step directory (collective); (step, metrics)."""
+              load_extra: Callable[[dict], None] | None = None, optimizer=None) -> tuple[int, list]:
+    """Load model and optimizer states of a verified step directory (collective); (step, metrics). A
+    layout-free optimizer state (`optimizer/`) goes into `optimizer`, per-rank files into the torch
+    optimizers."""
     from longstraw_mcore.checkpoint.dist_ckpt import read_checkpoint_meta
 
     _, meta = read_checkpoint_meta(path)
@@ -145,6 +156,15 @@ def load_step(path: Path, model, torch_optimizers: list, reload_main_params: Cal
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{path}: the model shards do not load: {type(e).__name__}: {e}") from None
     reload_main_params()  # main (fp32 / sharded) params from the loaded model params
+    from longstraw_mcore.train import optimizer_state
+
+    if (path / optimizer_state.OPTIMIZER_DIR).is_dir():
+        try:
+            optimizer_state.load(optimizer, model, path / optimizer_state.OPTIMIZER_DIR)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{path / optimizer_state.OPTIMIZER_DIR}: the optimizer state does not load: "
+                                  f"{type(e).__name__}: {e}") from None
+        return int(meta["step"]), json.loads((path / "metrics.json").read_text())
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, _load_optimizers(path, torch_optimizers, load_extra))
     bad = [e for e in errors if e is not None]

@@ -40,7 +40,8 @@ def build_training(model, cfg: RunConfig, par):
         from longstraw_mcore.train.zero2 import ShardedAdam, ShardedGradients
 
         t = cfg.train
-        grads = ShardedGradients(model, par.pgs.dp_cp, par, t.grad_bucket_mib, offload=cfg.memory.grad_offload)
+        grads = ShardedGradients(model, par.pgs.dp_cp, par, t.grad_bucket_mib, offload=cfg.memory.grad_offload,
+                                 expert_group=getattr(par.pgs, "expt_dp", None))
         return grads, ShardedAdam(grads, t.lr, (t.adam_beta1, t.adam_beta2), t.adam_eps, t.weight_decay, t.clip_grad,
                                   offload=cfg.memory.optimizer_offload)
     ddp = wrap_ddp(model, cfg, par)
@@ -215,21 +216,32 @@ class Trainer:
     # --- checkpoints (train/checkpoints.py: atomic publication, verification, fallback) ------------
 
     def save(self, root: str | Path, fault=None) -> Path:
-        extra = self.opt.extra_state() if hasattr(self.opt, "extra_state") else None
+        from longstraw_mcore.train.optimizer_state import supported
+
+        layout_free = supported(self.opt, self.ddp.module, self.cfg) is None
+        extra = self.opt.extra_state() if hasattr(self.opt, "extra_state") and not layout_free else None
         return save_step(root, self.step, self.ddp.module, _torch_optimizers(self.opt), self.cfg.model,
                          self.par.layout(), self.history, {"run_config": asdict(self.cfg)}, fault=fault,
-                         rank_extra=extra)
+                         rank_extra=extra, optimizer=self.opt if layout_free else None)
 
     def resume(self, root: str | Path) -> bool:
         """Load the newest complete checkpoint under `root` (announcing any newer one skipped as
-        damaged); False when there is none."""
+        damaged); False when there is none. At another layout than the checkpoint's when its optimizer
+        state is layout-free (train/optimizer_state.py)."""
+        from longstraw_mcore.train.optimizer_state import OPTIMIZER_DIR, supported
+
         def load(path):
             _, meta = read_checkpoint_meta(path)
             if meta.get("layout") != self.par.layout():
-                raise ConfigError(f"--resume: checkpoint {path} was written at layout {meta.get('layout')}, this "
-                                  f"run is {self.par.layout()}; optimizer state resumes only at the same layout")
+                why = supported(self.opt, self.ddp.module, self.cfg)
+                if why is not None or not (path / OPTIMIZER_DIR).is_dir():
+                    raise ConfigError(f"--resume: checkpoint {path} was written at layout {meta.get('layout')}, this "
+                                      f"run is {self.par.layout()}; its optimizer state resumes only at the same "
+                                      f"layout ({why or 'it was written per rank'})")
+                self.log(f"[resume] {path.name} was written at layout {meta.get('layout')}: resharding its "
+                         f"optimizer state to {self.par.layout()}")
             return load_step(path, self.ddp.module, _torch_optimizers(self.opt), self.opt.reload_model_params,
-                             getattr(self.opt, "load_extra_state", None))
+                             getattr(self.opt, "load_extra_state", None), optimizer=self.opt)
 
         got = resume_newest(root, load, self.log)
         if got is None:

@@ -57,23 +57,34 @@ class ShardedGradients:
     buffer holds, for every rank i in turn, piece i of each of its parameters, so rank i's result is
     its shard of all of them, back to back (`self.grad[p]` are views into it)."""
 
-    def __init__(self, model, group, par, bucket_mib: float = 64.0, offload: bool = False):
-        self.module, self.group, self.par = model, group, par
+    def __init__(self, model, group, par, bucket_mib: float = 64.0, offload: bool = False, expert_group=None):
+        """`group`: data x context parallel; `expert_group`: expert data parallel, where routed experts
+        (Megatron's `allreduce = False` parameters: each EP rank holds other experts) are reduced, as
+        Megatron DDP reduces them, then scaled by 1 / |group| like the rest (their tokens came from
+        every data-parallel rank through the all-to-all)."""
+        self.module, self.group, self.par, self.expert_group = model, group, par, expert_group
         self.n, self.rank = group.size(), group.rank()
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.per = {p: -(-p.numel() // self.n) for p in self.params}
+        experts = [p for p in self.params if not getattr(p, "allreduce", True)]
+        if experts and expert_group is None:
+            raise ValueError("routed expert parameters need their expert data parallel group")
+        self.group_of = {p: expert_group if not getattr(p, "allreduce", True) else group for p in self.params}
+        self.per = {p: -(-p.numel() // self.group_of[p].size()) for p in self.params}
         dev = par.device
         self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
         elt = torch.empty(0, dtype=self.dtype).element_size()
-        self.buckets, cur, size = [], [], 0
-        for p in self.params:
-            cur.append(p)
-            size += self.per[p] * self.n * elt
-            if size >= bucket_mib * 2**20:
+        self.buckets, self.bucket_group, cur, size = [], [], [], 0
+        for members in ([p for p in self.params if self.group_of[p] is group], experts):
+            for p in members:
+                cur.append(p)
+                size += self.per[p] * self.group_of[p].size() * elt
+                if size >= bucket_mib * 2**20:
+                    self.buckets.append(cur)
+                    cur, size = [], 0
+            if cur:
                 self.buckets.append(cur)
                 cur, size = [], 0
-        if cur:
-            self.buckets.append(cur)
+        self.bucket_group = [self.group_of[b[0]] for b in self.buckets]
         self.stage = None
         home = dev
         if offload:  # memory.grad_offload: this micro-step's gradients and the shards in host memory
@@ -87,20 +98,33 @@ class ShardedGradients:
         for b, flat in zip(self.buckets, self.shard):
             views = torch.split(flat, [self.per[p] for p in b])
             self.grad.update(zip(b, views))
-        self.main = {p: self._my_piece(p.detach().to(self.dtype)).clone() for p in self.params}
+        self.main = {p: self.piece(p, p.detach().to(self.dtype)).clone() for p in self.params}
         self.rounds = 0
         # gloo (CPU): an in-place all-reduce, then this rank's row. Gloo's reduce_scatter_tensor copies the
         # whole send buffer and often frees the copy on its worker thread (measured: 1 MiB of send left a
         # 2 MiB peak), which the CPU memory profiler cannot see; twice the bytes on the wire does not
         # matter on the CPU test backend. NCCL: reduce_scatter_tensor, which allocates nothing.
-        self.gloo = self.n > 1 and dist.get_backend(group) == "gloo"
+        self.gloo = dist.get_backend(group) == "gloo"
 
-    def _my_piece(self, full: torch.Tensor) -> torch.Tensor:
+    def piece(self, p, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of `full` (shaped like parameter p): its flat, padded slice in p's group."""
+        g = self.group_of[p]
+        n, rank = g.size(), g.rank()
         p_flat = full.reshape(-1)
-        per = -(-p_flat.numel() // self.n)
-        padded = torch.zeros(per * self.n, dtype=p_flat.dtype, device=p_flat.device)
+        per = -(-p_flat.numel() // n)
+        padded = torch.zeros(per * n, dtype=p_flat.dtype, device=p_flat.device)
         padded[:p_flat.numel()] = p_flat
-        return padded[self.rank * per:(self.rank + 1) * per]
+        return padded[rank * per:(rank + 1) * per]
+
+    def whole(self, p, piece: torch.Tensor) -> torch.Tensor:
+        """Parameter p's tensor from every rank's piece (collective over p's group), shaped like p."""
+        g = self.group_of[p]
+        if g.size() > 1:
+            full = torch.empty(piece.numel() * g.size(), dtype=piece.dtype, device=piece.device)
+            dist.all_gather_into_tensor(full, piece.contiguous(), group=g)
+        else:
+            full = piece
+        return full[:p.numel()].view(p.shape)
 
     def micro_step_done(self) -> None:
         """After a backward: reduce-scatter this micro-step's gradients into the shards, free them."""
@@ -120,41 +144,43 @@ class ShardedGradients:
         self.rounds += 1
         if self.stage is not None:
             self.stage.ready()
-        for b, shard in zip(self.buckets, self.shard):
-            width = shard.numel()
-            send, out = self._bucket_buffers(width)
+        for b, shard, group in zip(self.buckets, self.shard, self.bucket_group):
+            width, n = shard.numel(), group.size()
+            send, out = self._bucket_buffers(width, n)
             col = 0
             for p in b:
                 per = self.per[p]
                 g = self._take(p)
                 if g is not None:
                     flat = g.detach().reshape(-1).to(send.device, non_blocking=True).to(self.dtype)
-                    for i in range(self.n):  # piece i of p goes to rank i's part of the buffer
+                    for i in range(n):  # piece i of p goes to rank i's part of the buffer
                         piece = flat[i * per:(i + 1) * per]
                         send[i, col:col + piece.numel()] = piece
                 col += per
-            if self.n > 1:
+            if n > 1:
                 if self.gloo:  # (gloo's reduce-scatter copies the whole send buffer inside: see __init__)
-                    dist.all_reduce(send, group=self.group)
-                    out.copy_(send[self.rank])
+                    dist.all_reduce(send, group=group)
+                    out.copy_(send[group.rank()])
                 else:
-                    dist.reduce_scatter_tensor(out, send.reshape(-1), group=self.group)
+                    dist.reduce_scatter_tensor(out, send.reshape(-1), group=group)
                 shard.add_(out.to(shard.device), alpha=1.0 / self.n)
+            elif self.n > 1:  # (experts at expert data parallel 1: still 1 / |data x context parallel|)
+                shard.add_(send[0].to(shard.device), alpha=1.0 / self.n)
             else:
                 shard.add_(send[0].to(shard.device))
         if self.stage is not None:
             self.stage.clear()
         return True
 
-    def _bucket_buffers(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _bucket_buffers(self, width: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A bucket's send buffer [n, width] (zeroed) and reduce-scatter output [width]: views into two
         buffers of the largest bucket's size, made at the first round and kept (a buffer made per bucket
         is often released by gloo's worker thread when its collective completes, not by this one)."""
         if not hasattr(self, "_send"):
-            widest = max(s.numel() for s in self.shard)
-            self._send = torch.empty(self.n * widest, dtype=self.dtype, device=self.par.device)
-            self._out = torch.empty(widest if self.n > 1 else 0, dtype=self.dtype, device=self.par.device)
-        send = self._send[:self.n * width].view(self.n, width)
+            sizes = [(s.numel() * g.size(), s.numel()) for s, g in zip(self.shard, self.bucket_group)]
+            self._send = torch.empty(max(a for a, _ in sizes), dtype=self.dtype, device=self.par.device)
+            self._out = torch.empty(max(b for _, b in sizes), dtype=self.dtype, device=self.par.device)
+        send = self._send[:n * width].view(n, width)
         send.zero_()
         return send, self._out[:width]
 
@@ -209,10 +235,18 @@ class ShardedAdam:
 
     @torch.no_grad()
     def grad_norm(self) -> float:
+        """The whole model's gradient norm from the shards: each parameter's squares summed over its
+        shards' group; then the other parameters over tensor and pipeline parallel (TP-replicated ones
+        counted once), the routed experts over expert and pipeline parallel (each EP rank's are others)."""
         s = self.s
-        local = sum(float(s.grad[p].double().pow(2).sum()) for p in s.params if _owned(p))
-        over_shards = all_reduce_sum([local], s.group, s.par.device)[0]
-        return model_parallel_sum([over_shards], s.par)[0] ** 0.5
+        dense = sum(float(s.grad[p].double().pow(2).sum()) for p in s.params if s.group_of[p] is s.group and _owned(p))
+        expert = sum(float(s.grad[p].double().pow(2).sum()) for p in s.params if s.group_of[p] is not s.group)
+        dense = model_parallel_sum(all_reduce_sum([dense], s.group, s.par.device), s.par)[0]
+        if any(s.group_of[p] is not s.group for p in s.params) or s.par.ep > 1:
+            expert = all_reduce_sum([expert], s.expert_group, s.par.device)[0]
+            expert = all_reduce_sum([expert], s.par.pgs.ep, s.par.device)[0]
+            expert = all_reduce_sum([expert], s.par.pgs.pp, s.par.device)[0] if s.par.pp > 1 else expert
+        return (dense + expert) ** 0.5
 
     @torch.no_grad()
     def step(self):
@@ -226,18 +260,14 @@ class ShardedAdam:
         self.optimizer.step()
         for p, leaf in zip(s.params, self.leaves):
             leaf.grad = None
-            full = leaf.to(p.device)  # (the host shard back to the device: NCCL gathers device tensors)
-            if s.n > 1:
-                mine = full
-                full = torch.empty(s.per[p] * s.n, dtype=leaf.dtype, device=p.device)
-                dist.all_gather_into_tensor(full, mine.contiguous(), group=s.group)
-            p.data.copy_(full[:p.numel()].view_as(p).to(p.dtype))
+            # (the host shard back to the device: NCCL gathers device tensors)
+            p.data.copy_(s.whole(p, leaf.to(p.device)).to(p.dtype))
         return True, norm, None
 
     def reload_model_params(self) -> None:
         """Master shards from the model's parameters (after loading a checkpoint)."""
         for p, leaf in zip(self.s.params, self.leaves):
-            leaf.copy_(self.s._my_piece(p.detach().to(self.s.dtype)))
+            leaf.copy_(self.s.piece(p, p.detach().to(self.s.dtype)))
 
     def extra_state(self) -> dict:
         """What a resume needs besides AdamW's state: the float32 master shards (bf16 models)."""

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from torchrun import longstraw
+from launch import longstraw
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from torchrun import longstraw
+from launch import longstraw
 
 ARGS = ["--config", "configs/demo-key-recall.yaml", "--online", "adapter.rank=4", "adapter.alpha=16",
         "adapter.prompt=frozen", "replay.reuse_steps=3", "replay.mode=detached", "train.groups_per_step=2",

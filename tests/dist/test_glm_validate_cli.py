@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-from torchrun import ROOT, longstraw
+from launch import ROOT, longstraw
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 

@@ -17,7 +17,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from torchrun import longstraw as _torchrun  # noqa: E402
+from launch import longstraw as _torchrun  # noqa: E402
 
 
 def test_train_pp2_resume_and_validate_pp2_equals_one_rank(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from longstraw_mcore.launch_local import run_ranks
-from torchrun import longstraw
+from launch import longstraw
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))

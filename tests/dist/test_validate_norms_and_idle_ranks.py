@@ -21,7 +21,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from torchrun import ROOT, longstraw
+from launch import ROOT, longstraw
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 

@@ -138,3 +138,62 @@ def test_micro_step_shards_equal_single_rank_free_full_gradients_and_offload_bit
             assert o["shards"] and o["params"], o
             assert o["micro"] > 0 and set(o["held"]) == {0}, o  # never a full-size .grad at a micro-step's end
             assert o["stage"] == r["full_bytes"] and o["host"] == o["stage"] + (r["full_bytes"] + r["padding"]) // r["n"]
+
+
+def _ep_worker(rank, world_size):
+    """GLM (MLA + DSA + MoE) at DP=2 x EP=2, float64, exact mode: the shards against one rank."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "replay"))
+    from test_memory_switches import _glm
+    from test_replay_equivalence import make_group
+
+    from longstraw_mcore.checkpoint.full_state import gather_full, load_full
+    from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig, TrainConfig
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.parallel.groups import setup_parallel
+    from longstraw_mcore.replay.group_step import process_group
+    from longstraw_mcore.train.trainer import build_training
+
+    m, full = _glm()
+    groups = [make_group(m, 14, [3, 5], seed=90 + i) for i in range(2)]  # one per DP rank, the same shape
+    rcfg, gcfg = ReplayConfig(mode="exact", chunk_len=5), GRPOConfig(beta=0.05)
+    build = get_family(m.family).build_model
+
+    par = setup_parallel(RunConfig(model=m, parallel=ParallelConfig(), device="cpu"))
+    ref = build(m, par, "cpu")
+    load_full(ref, full)
+    for g in groups:
+        process_group(ref, g, rcfg, gcfg, scale=1 / len(groups))
+    want = gather_full(ref, grads=True)
+    want_norm = sum(float(t.double().pow(2).sum()) for t in want.values()) ** 0.5
+
+    cfg = RunConfig(model=m, parallel=ParallelConfig(ep=2), device="cpu",
+                    train=TrainConfig(lr=1e-2, clip_grad=0.0, grad_reduction="micro_step"))
+    par = setup_parallel(cfg)
+    model = build(m, par, "cpu")
+    load_full(model, full)
+    grads, opt = build_training(model, cfg, par)
+    process_group(grads, groups[par.pgs.dp.rank()], rcfg, gcfg, scale=par.dp / len(groups))
+    grads.finish()
+    norm = opt.grad_norm()
+    experts = sum(1 for p in grads.params if grads.group_of[p] is not grads.group)
+    for p in grads.params:  # the reduced gradients back in the parameters' shape, to gather by name
+        p.grad = grads.whole(p, grads.grad[p]).clone()
+    got = gather_full(model, grads=True)
+    worst = max(float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-300)) for k in want)
+    return dict(worst=worst, norm=norm, want_norm=want_norm, experts=experts, keys=(sorted(got) == sorted(want)))
+
+
+def test_micro_step_shards_reduce_routed_experts_over_expert_data_parallel():
+    """Routed experts are whole on their EP rank, each EP rank holding others: their gradients are reduced
+    over expert data parallel (as Megatron DDP does), not over data parallel, which would add different
+    experts' gradients together. DP=2 x EP=2 (2 ranks), GLM MLA/DSA/MoE, float64: every gradient equals
+    one rank's (<= 1e-10) and so does the norm the optimizer clips by (<= 1e-12 relative)."""
+    for rank, r in enumerate(run_ranks(_ep_worker, 2, timeout_s=900)):
+        if rank == 0:
+            print(f"GLM DP=2 x EP=2 micro_step shards vs one rank: worst gradient {r['worst']:.1e} ({r['experts']} routed "
+                  f"expert tensors on this rank), grad norm {r['norm']!r} vs {r['want_norm']!r}")
+        assert r["keys"] and r["experts"] > 0 and r["worst"] <= 1e-10, r
+        assert abs(r["norm"] - r["want_norm"]) <= 1e-12 * r["want_norm"], r
