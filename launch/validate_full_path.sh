@@ -6,19 +6,27 @@
 #
 #   bash launch/validate_full_path.sh N CONFIG OUT_DIR [--hf DIR | --load DIR] [--rollouts FILE] [key=value ...]
 #
-# N ranks on this node (torchrun), or inside a Slurm allocation (SLURM_JOB_ID set) the allocation's
-# ranks through launch/slurm.sbatch's per-node torchrun. Without --hf/--load a seeded random model of the
+# N ranks on this node (launch/local.sh), or inside a Slurm allocation (SLURM_JOB_ID set) the allocation's
+# ranks through launch/slurm.sbatch's per-node launcher. Without --hf/--load a seeded random model of the
 # config is written (tiny configs); without --rollouts synthetic groups are written (PROMPT_LEN,
 # RESPONSE_LEN, GROUP_SIZE, GROUPS_N; defaults 48, 8, 4, one group per data-parallel rank).
 #   examples:
 #     bash launch/validate_full_path.sh 4 configs/qwen3.6-tiny.yaml runs/v-pp2cp2 parallel.pp=2 parallel.cp=2
-#     sbatch --nodes 4 --gpus-per-node 8 --wrap "bash launch/validate_full_path.sh 32 configs/glm-5.2.yaml \
-#         runs/glm-2m --hf /ckpt/GLM-5.2 --rollouts rollouts-2m.jsonl parallel.cp=4 parallel.ep=32"
+#     sbatch --nodes 4 --gpus-per-node 8 launch/validate_full_path.sh 32 configs/glm-5.2.yaml \
+#         runs/glm-2m --hf /ckpt/GLM-5.2 --rollouts rollouts-2m.jsonl parallel.cp=4 parallel.ep=32
+# (submit the script itself: `sbatch --wrap "bash ..."` drops the #SBATCH lines below, leaving one task of
+# one CPU per node)
+#SBATCH --job-name=longstraw-validate
+#SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
+#SBATCH --output=%x-%j.out
 set -euo pipefail
 [ $# -ge 3 ] || { echo "usage: bash launch/validate_full_path.sh N CONFIG OUT_DIR [--hf DIR|--load DIR] [--rollouts F] [key=value ...]" >&2; exit 2; }
 n=$1 cfg=$2 out=$3; shift 3
 case "$n" in ''|*[!0-9]*|0) echo "error: N '$n' must be a positive integer" >&2; exit 2;; esac
 repo=$(cd "$(dirname "$0")/.." && pwd)
+# (submitted with sbatch the script runs from Slurm's spool: the checkout is where it was submitted from)
+[ -d "$repo/longstraw_mcore" ] || repo=$(cd "${SLURM_SUBMIT_DIR:?not in a checkout and not under Slurm}" && pwd)
 py="${PYTHON:-$(bash "$repo/scripts/env.sh")/bin/python}"
 cd "$repo"
 weights=() rollouts="" overrides=()

@@ -186,15 +186,15 @@ def main(argv=None) -> int:
 def collective_timeout(e: BaseException) -> str:
     """One line for a collective that did not complete in time (gloo raises it; NCCL's watchdog aborts the
     process with its own line naming the operation): this rank, the timeout, and where the collective was
-    called (the innermost frames outside torch, and in this package)."""
+    called (the innermost frames in Megatron and in this package)."""
     import os
     import traceback
 
     frames = traceback.extract_tb(e.__traceback__)
-    outside = [f for f in frames if f"{os.sep}torch{os.sep}" not in f.filename]
+    megatron = [f for f in frames if f"{os.sep}megatron{os.sep}" in f.filename]
     ours = [f for f in frames if f"{os.sep}longstraw_mcore{os.sep}" in f.filename]
     where = "; ".join(dict.fromkeys(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})"
-                                    for f in (outside[-1:] + ours[-1:])))
+                                    for f in (megatron[-1:] + ours[-1:]))) or "an unknown call"
     limit = os.environ.get("LONGSTRAW_DIST_TIMEOUT_S", "the default")
     return (f"rank {os.environ.get('RANK', '0')}: a collective did not complete within {limit} s "
             f"(LONGSTRAW_DIST_TIMEOUT_S) in {where}: a peer rank stopped or is stuck elsewhere; its own output says "

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Set up the environment (once; reused after) and run the main job on the CPU demo configuration:
 # on-policy GRPO with branch replay (`longstraw train --online`) on the key-recall task
-# (configs/demo-key-recall.yaml), the tiny Qwen3.6-family hybrid from random init, 2 gloo ranks under
-# torchrun (data parallel). Every step samples G responses per prompt from the current weights against
-# the captured prompt state, scores them and trains; held-out greedy reward every 10 steps.
+# (configs/demo-key-recall.yaml), the tiny Qwen3.6-family hybrid from random init, 2 gloo ranks (data
+# parallel; started by longstraw_mcore/launcher.py, as launch/local.sh starts them). Every step samples G
+# responses per prompt from the current weights against the captured prompt state, scores them and
+# trains; held-out greedy reward every 10 steps.
 # Writes runs/demo/metrics.jsonl, runs/demo/reward.png and checkpoints; prints the held-out reward
 # against chance (what a policy that ignores the prompt scores). About 7 minutes on 2 cores.
 # --config configs/demo-tool-lookup.yaml: the multi-turn demo (a loss-masked tool output between two turns).
@@ -31,8 +32,8 @@ if [ "$run" != "$repo/runs/demo" ] && [ -e "$run" ] && [ -n "$(ls -A "$run" 2>/d
 fi
 rm -rf "$run" && mkdir -p "$run"
 t0=$(date +%s)
-"$venv/bin/python" -m torch.distributed.run --standalone --nproc-per-node 2 \
-  -m longstraw_mcore train --config "$config" --online --steps "$steps" \
+"$venv/bin/python" -m longstraw_mcore.launcher --nproc 2 --log-dir "$run/logs" \
+  -- train --config "$config" --online --steps "$steps" \
   --save "$run/ckpt" --metrics-out "$run/metrics.jsonl" replay.mode="$mode" train.save_every="$steps" "$@"
 read -r chance lengths task < <("$venv/bin/python" -c 'import sys; from longstraw_mcore.config import load_config; from longstraw_mcore.rollout.online import make_task
 c = load_config(sys.argv[1], sys.argv[2:]); print(make_task(c).chance, f"{c.task.min_len}-{c.task.max_len}", c.task.name.replace("_", "-"))' "$config" "$@")

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from longstraw_mcore import cpu_compat
 from longstraw_mcore.config import RunConfig
 from longstraw_mcore.parallel.kv_group import new_kv_groups
+from longstraw_mcore.parallel.timeout import dist_timeout
 
 
 @dataclass
@@ -75,13 +76,7 @@ def init_distributed(device: str) -> None:
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    # every collective's timeout (launch/slurm.sbatch sets it; torch's default is 10 min for NCCL, 30 for gloo)
-    timeout = os.environ.get("LONGSTRAW_DIST_TIMEOUT_S")
-    if timeout is not None and not (timeout.isdigit() and int(timeout) > 0):
-        raise ValueError(f"LONGSTRAW_DIST_TIMEOUT_S={timeout!r}: must be a positive number of seconds")
-    from datetime import timedelta
-
-    dist.init_process_group(backend, timeout=timedelta(seconds=int(timeout)) if timeout else None)
+    dist.init_process_group(backend, timeout=dist_timeout())
 
 
 def setup_parallel(cfg: RunConfig) -> Parallel:
@@ -103,9 +98,12 @@ def setup_parallel(cfg: RunConfig) -> Parallel:
         parallel_state.destroy_model_parallel()
     # experts are not split by TP (expert tensor parallel 1: each EP rank holds whole experts), the
     # usual choice for fine-grained MoE; with it the dispatcher needs no uneven all-gathers
+    timeout = dist_timeout()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
                                              context_parallel_size=p.cp, expert_model_parallel_size=p.ep,
-                                             expert_tensor_parallel_size=1)
+                                             expert_tensor_parallel_size=1,
+                                             **({} if timeout is None else
+                                                {"distributed_timeout_minutes": timeout.total_seconds() / 60}))
     torch.manual_seed(cfg.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
@@ -147,7 +145,7 @@ def lockstep_group(pgs):
         return dist.group.WORLD if world > 1 else None
     out = None
     for comp in components:
-        g = dist.new_group(list(comp))
+        g = dist.new_group(list(comp), timeout=dist_timeout())
         if rank in comp and len(comp) > 1:
             out = g
     return out

@@ -39,6 +39,7 @@ from longstraw_mcore.ops.attention import KeySet, kernel
 from longstraw_mcore.ops.attention_merge import backward_terms, merge_partials, unpack_saved, work_dtype
 from longstraw_mcore.ops.scale_grad import scale_grad
 from longstraw_mcore.parallel.cp_comm import all_reduce_sum, gather_dim, merge_ranks
+from longstraw_mcore.parallel.timeout import dist_timeout
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def new_kv_groups(tp_group, n_kv_heads: int):
     for ranks in sorted({tuple(x) for x in every}):
         for j in range(n_kv_heads):
             members = list(ranks[j * r:(j + 1) * r])
-            grp = dist.new_group(ranks=members)
+            grp = dist.new_group(ranks=members, timeout=dist_timeout())
             if dist.get_rank() in members:
                 own = KVGroup(group=grp, rank=members.index(dist.get_rank()), size=r, head=j)
     return own

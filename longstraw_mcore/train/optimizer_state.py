@@ -14,9 +14,11 @@ Where the state lives before it is written, by optimizer (train/trainer.py build
   and each rank takes its piece of what it loads;
 - train.grad_reduction=step, Megatron's Float16OptimizerWithFloat16Params (bf16) or FP32Optimizer (fp32;
   the master is the parameter itself, in the model checkpoint), each of a ChainedOptimizer's parts.
-Not handled, said by `supported()`: Megatron's distributed optimizer (its state is cut along its own
-gradient buffer, not along parameters) and adapters (theirs is a PEFT directory, not Megatron's sharded
-state dict); those checkpoints keep the per-rank files and resume at the same layout only.
+- Megatron's DistributedOptimizer: each data-parallel rank updates a range of each parameter's flattened
+  elements; the ranges are summed over its data-parallel group into the parameter's shape to save, and
+  each rank takes its range of what it loads.
+Not handled, said by `supported()`: adapters (theirs is a PEFT directory, not Megatron's sharded state
+dict); their checkpoints keep the per-rank files and resume at the same layout only.
 
 The values are the optimizer's own, moved, never recomputed: resuming at the same layout stays
 bit-exact, and at another one equal up to the order of the sums the new layout makes.
@@ -37,33 +39,78 @@ def supported(opt, model, cfg) -> str | None:
     """None when this run's optimizer state can be written layout-free; else why not."""
     if cfg.adapter.enabled:
         return "adapters (their optimizer state stays per rank)"
-    if cfg.train.grad_reduction == "step" and cfg.train.distributed_optimizer:
-        return "train.distributed_optimizer=true (Megatron's distributed optimizer shards its state along its buffer)"
     return None
 
 
-def _megatron_parts(opt):
-    return getattr(opt, "chained_optimizers", [opt])
+class _Slot:
+    """One trained parameter `p` and where its Adam state lives on this rank: `state` (the torch
+    optimizer's dict for the tensor it updates, `leaf`; None where this rank holds no part of it),
+    `full(t)` (collective: the parameter-shaped tensor from every rank's part `t`) and `mine(full)`
+    (this rank's part of a parameter-shaped tensor)."""
+
+    def __init__(self, p, torch_opt, leaf, full, mine):
+        self.p, self.torch_opt, self.leaf, self.full, self.mine = p, torch_opt, leaf, full, mine
+
+    @property
+    def state(self):
+        return None if self.leaf is None else self.torch_opt.state.setdefault(self.leaf, {})
+
+    def has_main(self) -> bool:
+        """A master copy of its own (below float32 models); otherwise the model checkpoint holds the values."""
+        return self.p.dtype not in (torch.float32, torch.float64)
 
 
-def _slots(opt):
-    """[(model parameter, torch optimizer, the tensor Adam updates, piece?)]: piece=True for ShardedAdam's
-    flat pieces (zero2), False when the updated tensor is shaped like the parameter."""
+def _same(t):
+    return t
+
+
+def _distributed_slots(part) -> list[_Slot]:
+    """Megatron's distributed optimizer: each data-parallel rank updates a range of each parameter's
+    flattened elements (possibly none); the parts add up over its data-parallel group."""
+    ranges = {q: r["param"] for per_buffer in part.gbuf_ranges for per_dtype in per_buffer.values()
+              for bucket in per_dtype for q, r in bucket["param_map"].items()}  # this rank's
+    out = []
+    # every parameter of the buffers, in their order (the same on every rank; the ranges are not)
+    for p in (q for buf in part.buffers for q in buf.param_index_map):
+        leaf, span = None, None
+        if p in ranges and p in part.model_param_group_index_map:
+            gi, go = part.model_param_group_index_map[p]
+            leaf, r = part.optimizer.param_groups[gi]["params"][go], ranges[p]
+            span = (r.start, r.end)
+
+        def full(t, p=p, span=span, group=part.data_parallel_group):
+            out_ = torch.zeros(p.numel(), dtype=torch.float32 if t is None else t.dtype, device=p.device)
+            if span is not None:
+                out_[span[0]:span[1]] = t.reshape(-1)
+            dist.all_reduce(out_, group=group)
+            return out_.view(p.shape)
+
+        def mine(f, span=span):
+            return f.reshape(-1)[span[0]:span[1]]
+        out.append(_Slot(p, part.optimizer, leaf, full, mine))
+    return out
+
+
+def _slots(opt) -> list[_Slot]:
     from longstraw_mcore.train.zero2 import ShardedAdam
 
     if isinstance(opt, ShardedAdam):
-        return [(p, opt.optimizer, leaf, True) for p, leaf in zip(opt.s.params, opt.leaves)]
+        s = opt.s
+        return [_Slot(p, opt.optimizer, leaf, lambda t, p=p: s.whole(p, t), lambda f, p=p: s.piece(p, f))
+                for p, leaf in zip(s.params, opt.leaves)]
     out = []
-    for part in _megatron_parts(opt):
+    for part in getattr(opt, "chained_optimizers", [opt]):
         if getattr(part, "is_stub_optimizer", False):
             continue
-        if hasattr(part, "float16_groups"):
+        if hasattr(part, "model_param_gbuf_map"):
+            out += _distributed_slots(part)
+        elif hasattr(part, "float16_groups"):
             for model_g, main_g, fp32_g in zip(part.float16_groups, part.fp32_from_float16_groups,
                                                part.fp32_from_fp32_groups):
-                out += [(p, part.optimizer, m, False) for p, m in zip(model_g, main_g)]
-                out += [(p, part.optimizer, p, False) for p in fp32_g]
+                out += [_Slot(p, part.optimizer, m, _same, _same) for p, m in zip(model_g, main_g)]
+                out += [_Slot(p, part.optimizer, p, _same, _same) for p in fp32_g]
         else:
-            out += [(p, part.optimizer, p, False) for g in part.optimizer.param_groups for p in g["params"]]
+            out += [_Slot(p, part.optimizer, p, _same, _same) for g in part.optimizer.param_groups for p in g["params"]]
     return out
 
 
@@ -76,54 +123,52 @@ def _param_entries(model) -> dict:
     return {id(t.data): t for t in nested_values(sharded)}
 
 
-def _request(opt, model, tensors_of) -> tuple[dict, list, list]:
-    """(the sharded dict of `tensors_of(slot) -> {state: parameter-shaped tensor}` over every slot, the
-    slots, each slot's parameter key)."""
+def _request(slots, model, tensors_of) -> tuple[dict, list]:
+    """(the sharded dict of `tensors_of(slot) -> {state: parameter-shaped tensor}` over the slots, each
+    slot's parameter key)."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     entries = _param_entries(model)
-    out, slots, keys = {}, _slots(opt), []
+    out, keys = {}, []
     for slot in slots:
-        p = slot[0]
-        if id(p) not in entries:
-            raise RuntimeError(f"a trained parameter of shape {tuple(p.shape)} is not in the model's sharded state dict")
-        keys.append(entries[id(p)].key)
+        if id(slot.p) not in entries:
+            raise RuntimeError(f"a trained parameter of shape {tuple(slot.p.shape)} is not in the model's sharded "
+                               "state dict")
+        keys.append(entries[id(slot.p)].key)
         for name, t in tensors_of(slot).items():
-            ent = make_sharded_optimizer_tensor(entries[id(p)], t, f"optimizer.{name}")
+            ent = make_sharded_optimizer_tensor(entries[id(slot.p)], t, f"optimizer.{name}")
             out[ent.key] = ent
-    return out, slots, keys
+    return out, keys
 
 
-def _has_main(p, leaf) -> bool:
-    """A master copy of its own (below float32 models); otherwise the model checkpoint holds the values."""
-    return leaf is not p and leaf.dtype != p.dtype
-
-
-def _dtype(leaf) -> torch.dtype:
-    return torch.float64 if leaf.dtype == torch.float64 else torch.float32
+def _dtype(p) -> torch.dtype:
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
 def save(opt, model, directory: Path) -> None:
-    """Write the optimizer state layout-free into `directory` (created empty; collective)."""
+    """Write the optimizer state layout-free into `directory` (created empty; collective). The gathered,
+    parameter-shaped tensors wait in host memory for the writer: 8 bytes per element of this rank's
+    parameters (12 below float32 models)."""
     from megatron.core import dist_checkpointing
 
-    from longstraw_mcore.train.zero2 import ShardedAdam
-
-    sharded = opt.s if isinstance(opt, ShardedAdam) else None
     steps = set()
 
     def tensors(slot):
-        p, torch_opt, leaf, piece = slot
-        st = torch_opt.state.get(leaf, {})
-        steps.add(int(st["step"]) if "step" in st else 0)
-        got = {k: st[k] if k in st else torch.zeros_like(leaf) for k in STATES}
-        if _has_main(p, leaf):
-            got["main"] = leaf
-        if piece:
-            got = {k: sharded.whole(p, v.detach()).clone() for k, v in got.items()}
-        return {k: v.detach().to(_dtype(leaf)) for k, v in got.items()}
+        st = slot.state
+        if st is not None:
+            steps.add(int(st["step"]) if "step" in st else 0)
+        names = STATES + (("main",) if slot.has_main() else ())
+        got = {}
+        for k in names:
+            local = None
+            if st is not None:
+                local = slot.leaf if k == "main" else st.get(k, torch.zeros_like(slot.leaf))
+                local = local.detach().to(_dtype(slot.p))
+            got[k] = slot.full(local).to("cpu", copy=True)
+        return got
 
-    request, _, _ = _request(opt, model, tensors)
+    slots = _slots(opt)
+    request, _ = _request(slots, model, tensors)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, sorted(steps))
     common = sorted({s for mine in every for s in mine})
@@ -140,29 +185,25 @@ def load(opt, model, directory: Path) -> None:
     weights are loaded before (with them the master copies of float32 models)."""
     from megatron.core import dist_checkpointing
 
-    from longstraw_mcore.train.zero2 import ShardedAdam
-
-    sharded = opt.s if isinstance(opt, ShardedAdam) else None
-
     def empty(slot):
-        p, _, leaf, _ = slot
-        names = STATES + (("main",) if _has_main(p, leaf) else ())
-        return {k: torch.empty(p.shape, dtype=_dtype(leaf), device=leaf.device) for k in names}
+        names = STATES + (("main",) if slot.has_main() else ())
+        return {k: torch.empty(slot.p.shape, dtype=_dtype(slot.p)) for k in names}
 
-    request, slots, keys = _request(opt, model, empty)
+    slots = _slots(opt)
+    request, keys = _request(slots, model, empty)
     request["step"] = 0
     got = dist_checkpointing.load(request, str(directory))
     step = int(got["step"])
     with torch.no_grad():
-        for (p, torch_opt, leaf, piece), key in zip(slots, keys):
-            def mine(name):
-                full = got[f"optimizer.{name}.{key}"]
-                return sharded.piece(p, full.to(leaf.device)) if piece else full.to(leaf.device)
-            st = torch_opt.state.setdefault(leaf, {})
+        for slot, key in zip(slots, keys):
+            st = slot.state
+            if st is None:
+                continue  # (the distributed optimizer: no part of it on this rank)
+            dev = slot.leaf.device
             for k in STATES:
-                st[k] = mine(k).to(leaf.dtype).clone()
+                st[k] = slot.mine(got[f"optimizer.{k}.{key}"].to(dev)).to(slot.leaf.dtype).clone()
             st["step"] = torch.tensor(float(step))
-            if _has_main(p, leaf):
-                leaf.copy_(mine("main"))
-                if not piece:
-                    p.data.copy_(leaf.to(p.dtype))
+            if slot.has_main():
+                slot.leaf.copy_(slot.mine(got[f"optimizer.main.{key}"].to(dev)))
+                if slot.leaf.shape == slot.p.shape:  # Megatron's Float16 optimizer: the model copy too
+                    slot.p.data.copy_(slot.leaf.to(slot.p.dtype))

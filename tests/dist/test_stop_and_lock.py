@@ -115,3 +115,30 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path):
     assert p.returncode == 3 and len(errors) == 1 and "step 3: 2 steps in a row had a non-finite loss" in errors[0]
     assert [x["update_ok"] for x in m] == [True, False, False] and m[-1]["skipped_updates"] == 2
     assert sorted(q.name for q in (tmp_path / "ck").glob("step_*")) == ["step_000003"]
+
+
+def test_a_stuck_rank_ends_the_run_with_the_collective_named(tmp_path):
+    """Rank 1 stopped (SIGSTOP: alive, silent) while rank 0 reaches a collective: with
+    LONGSTRAW_DIST_TIMEOUT_S=5 rank 0 ends with exit 4 and one line naming itself, the timeout and the
+    call it waited in; the launcher then ends the stuck rank (SIGTERM, SIGKILL) and passes 4 out."""
+    import psutil
+
+    subprocess.run([sys.executable, "tools/make_rollouts.py", str(tmp_path / "r.jsonl"), "--vocab", "512",
+                    "--groups", "4", "--prompt-len", "200", "--group-size", "4", "--response-len", "12"],
+                   cwd=ROOT, check=True, capture_output=True)
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", LONGSTRAW_DIST_TIMEOUT_S="5",
+               LONGSTRAW_FAIL_GRACE_S="2")
+    p = subprocess.Popen(["bash", str(ROOT / "launch/local.sh"), "2", "train", "--config", "configs/qwen3.6-tiny.yaml",
+                          "--rollouts", str(tmp_path / "r.jsonl"), "--steps", "50", "--metrics-out",
+                          str(tmp_path / "m.jsonl"), "replay.chunk_len=16"], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_steps(tmp_path / "m.jsonl", 1, p)
+    ranks = [c for c in psutil.Process(p.pid).children(recursive=True) if c.environ().get("RANK") == "1"]
+    assert len(ranks) == 1
+    ranks[0].suspend()
+    out, err = p.communicate(timeout=120)
+    errors = [ln for ln in err.splitlines() if "error:" in ln]
+    print(f"exit {p.returncode}; {errors}")
+    assert p.returncode == 4 and len(errors) == 1, (p.returncode, err[-3000:])
+    assert "rank 0: a collective did not complete within 5 s (LONGSTRAW_DIST_TIMEOUT_S) in " in errors[0]
+    assert ".py:" in errors[0] and "a peer rank stopped or is stuck" in errors[0]
