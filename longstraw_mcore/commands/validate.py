@@ -57,11 +57,15 @@ def run(args) -> int:
     dp_rank, n = par.pgs.dp.rank(), len(groups)
     ddp.zero_grad_buffer()
     results, seconds = {}, {}
+    from longstraw_mcore.replay.watch import Watch
+
+    watch = Watch(rank0_print if par.rank == 0 else None, cfg.replay.progress_every_s)  # progress only
     for i, stand_in in _slots(n, par.dp, dp_rank, par.ep):
         if stand_in:  # (expert parallelism: its all-to-alls need this rank; the group's gradient counts 0 times)
             process_group(ddp, groups[i], cfg.replay, cfg.grpo, scale=0.0, ref_model=ref, index=i)
             continue
-        st = process_group(ddp, groups[i], cfg.replay, cfg.grpo, scale=par.dp / n, ref_model=ref, index=i)
+        st = process_group(ddp, groups[i], cfg.replay, cfg.grpo, scale=par.dp / n, ref_model=ref, index=i,
+                           watch=watch)
         results[i] = {"loss": st.loss, "logprobs": st.logprobs, "skipped": st.skipped, "state_bytes": st.state_bytes,
                       "ref_state_bytes": st.ref_state_bytes, "tokens": st.tokens, "replayed": st.replayed_tokens}
         for k, v in (st.seconds or {}).items():

@@ -53,6 +53,7 @@ class Watch:
         """A new plan of the group `label` names (process_group sets it): its phases' token totals."""
         self.responses = responses
         self.totals, self.done_tokens, self.started, self.printed = {}, {}, {}, set()
+        self.last_print = self.last_event = time.monotonic()  # (a group shorter than every_s prints nothing)
         for st in plan:
             phase = _PHASE.get(st.phase)
             if phase is not None:
