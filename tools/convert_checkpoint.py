@@ -41,6 +41,9 @@ def main(argv=None) -> int:
     c.add_argument("--merge", action="store_true")
     args = p.parse_args(argv)
 
+    from longstraw_mcore.cli import quiet_expected_warnings
+
+    quiet_expected_warnings()  # (the CLI's: Megatron's absent-TE/apex notes and the like)
     from longstraw_mcore.checkpoint.common import CheckpointError
     from longstraw_mcore.config import ConfigError
 

@@ -24,6 +24,9 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*")
     a = p.parse_intermixed_args(argv)
 
+    from longstraw_mcore.cli import quiet_expected_warnings
+
+    quiet_expected_warnings()  # (the CLI's: Megatron's absent-TE/apex notes and the like)
     import torch
 
     from longstraw_mcore.checkpoint.full_state import gather_full

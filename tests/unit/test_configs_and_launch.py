@@ -32,11 +32,13 @@ def _examples():
     out = []
     for script in sorted((ROOT / "launch").glob("*")):
         text = re.sub(r"\\\n#\s*", " ", script.read_text()).replace('"', " ")  # join continued example lines
-        for m in re.finditer(r"sbatch --nodes (\d+) --gpus-per-node (\d+)\s+launch/slurm\.sbatch\s+(\w+)\s+(.*)", text):
+        for m in re.finditer(r"sbatch --nodes (\d+) --gpus-per-node (\d+)(?:\s+--[\w-]+ \S+)*\s+launch/slurm\.sbatch\s+(\w+)"
+                             r"\s+(.*)", text):
             args = m.group(4).split()
             cfg = args[args.index("--config") + 1]
             out.append((script.name, m.group(3), int(m.group(1)) * int(m.group(2)), cfg, [a for a in args if "=" in a]))
-        for m in re.finditer(r"bash launch/validate_full_path\.sh\s+(\d+)\s+(\S+)\s+\S+\s+(.*)", text):
+        for m in re.finditer(r"(?:bash|sbatch --nodes \d+ --gpus-per-node \d+) launch/validate_full_path\.sh\s+(\d+)\s+"
+                             r"(\S+)\s+\S+\s+(.*)", text):
             out.append((script.name, "validate", int(m.group(1)), m.group(2),
                         [a for a in m.group(3).split() if "=" in a and not a.startswith("-")]))
     return out
