@@ -5,7 +5,9 @@
 #   bash scripts/slurm_local.sh start DIR    -> prints the SLURM_CONF to export; waits until the node is idle
 #   bash scripts/slurm_local.sh stop DIR
 # Settings that made it work here (../shared/notes/turn3-facts.md): proctrack/linuxproc, task/none,
-# select/cons_tres, one node with this machine's CPUs and memory, munge with a key of its own.
+# select/cons_tres, one node with this machine's CPUs and memory, munge with a key of its own. cred_expire
+# is 10 s (default 120): a requeued job waits that long before it starts again, and must (started earlier
+# it is killed: "Job credential revoked").
 set -euo pipefail
 cmd=${1:-}; dir=${2:-}
 [ -n "$cmd" ] && [ -n "$dir" ] || { echo "usage: bash scripts/slurm_local.sh start|stop DIR" >&2; exit 2; }
@@ -42,7 +44,7 @@ SlurmdPort=$(( port + 400 ))
 SlurmUser=$user
 SlurmdUser=$user
 AuthType=auth/munge
-AuthInfo=socket=$dir/munge/munge.sock
+AuthInfo=socket=$dir/munge/munge.sock,cred_expire=10
 CredType=cred/munge
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
