@@ -166,6 +166,7 @@ def main(argv=None) -> int:
 
     from longstraw_mcore.commands.train import TrainingDiverged
 
+    ours = not _dist_up()  # (a process group the caller made stays open)
     try:
         return importlib.import_module(f"longstraw_mcore.commands.{args.command}").run(args)
     except (ConfigError, CheckpointError, RolloutError) as e:
@@ -182,17 +183,22 @@ def main(argv=None) -> int:
         print(f"error: {collective_timeout(e)}", file=sys.stderr, flush=True)
         return EXIT_TIMEOUT
     finally:
-        _shutdown()
+        if ours:
+            _shutdown()
 
 
 def _shutdown() -> None:
-    """Close the process groups before the interpreter exits (a local operation: no peer is waited for).
-    Left to interpreter teardown, gloo's threads were once seen to end a finished rank with "terminate
-    called without an active exception" (exit 134)."""
-    import torch.distributed as dist
+    """Close the process groups this command made before the interpreter exits (a local operation: no
+    peer is waited for). Left to interpreter teardown, gloo's threads were once seen to end a finished
+    rank with "terminate called without an active exception" (exit 134)."""
+    if _dist_up():
+        sys.modules["torch.distributed"].destroy_process_group()
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+
+def _dist_up() -> bool:
+    """Whether a default process group exists (without importing torch for commands that never do)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 def collective_timeout(e: BaseException) -> str:
