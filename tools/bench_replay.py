@@ -5,6 +5,13 @@
       [--response-lens 256,1024] [--group-sizes 2,8] [--modes detached,exact] [--naive-max-prompt 16384]
       [--naive-copies N] [--out bench.json] [key=value ...]    (e.g. replay.attn_probs_budget_mib=4096)
   python tools/bench_replay.py --tree 1,2,2,4:24,24,6,10 --prompt-lens 4096 [--modes detached,exact]
+  python tools/bench_replay.py --vs-transformers [--config configs/bench-hybrid-256.yaml] --prompt-lens 4096,16384
+      --response-lens 128 --group-sizes 8 [--hf-full-copies N] [--out vs_hf.json]
+
+--vs-transformers runs, in one process on the same weights, transformers' full sequences, transformers'
+no-grad prompt cache + per-branch autograd, and our detached and exact modes (longstraw_mcore/bench/
+vs_transformers.py): seconds per path and phase, speed-ups, and each of our gradients against its
+transformers peer.
 
 --tree WIDTHS:LENGTHS replaces each point's responses by a full prefix tree (widths[d] children per node
 at depth d, segments of lengths[d] tokens, the last the responses' own tails; the example: G=16
@@ -41,10 +48,14 @@ def _libc():
 
 
 _LIBC = _libc()
-if _LIBC is not None:
-    # M_MMAP_THRESHOLD = 128 KiB, fixed: every tensor-sized block is its own mapping, returned to the OS
-    # when freed, so resident memory follows the live tensors instead of glibc's retained heap.
-    _LIBC.mallopt(-3, 128 * 1024)
+
+
+def _rss_follows_tensors() -> None:
+    """M_MMAP_THRESHOLD = 128 KiB, fixed: every tensor-sized block is its own mapping, returned to the OS
+    when freed, so resident memory follows the live tensors instead of glibc's retained heap (for the
+    peak-memory columns; it costs page faults, so the side-by-side timing leaves it off)."""
+    if _LIBC is not None:
+        _LIBC.mallopt(-3, 128 * 1024)
 
 
 class RssPeak:
@@ -118,8 +129,19 @@ def main(argv=None) -> int:
                    help="the device's bf16 peak (TFLOP/s) to report each row's FLOP rate against (0: not reported)")
     p.add_argument("--table-from", default=None, help="print the table of earlier JSON files (comma-separated; "
                    "analytic columns recomputed with the current FLOP model) and exit")
+    p.add_argument("--vs-transformers", action="store_true", help="the side-by-side table with transformers (above)")
+    p.add_argument("--hf-full-copies", type=int, default=0,
+                   help="--vs-transformers: run transformers' full sequences on this many of the G branches and "
+                        "scale (0 = all; its gradient is compared only when all run)")
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
+    from longstraw_mcore.cli import quiet_expected_warnings
+
+    quiet_expected_warnings()  # (the CLI's: Megatron's absent-TE/apex notes and the like)
+    if a.vs_transformers:
+        return vs_transformers(a)
+    _rss_follows_tensors()
     if a.table_from:
         return print_table(a.table_from, a.config, a.overrides)
 
@@ -217,6 +239,85 @@ def main(argv=None) -> int:
                         json.dump({"config": a.config, "device": str(par.device), "rows": rows}, f, indent=1)
     print(f"wrote {a.out}")
     return 0
+
+
+def vs_transformers(a) -> int:
+    import torch
+
+    from longstraw_mcore.bench import vs_transformers as vt
+    from longstraw_mcore.config import load_config
+    from longstraw_mcore.data.rollouts import RolloutGroup
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.ops.dispatch import configure
+    from longstraw_mcore.parallel.groups import setup_parallel
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    config = a.config if a.config != "configs/qwen3.6-tiny.yaml" else "configs/bench-hybrid-256.yaml"
+    cfg = load_config(config, a.overrides)
+    m = cfg.model
+    if m.family != "qwen3_5":
+        raise SystemExit(f"--vs-transformers: model.family={m.family!r}; the side-by-side runs the qwen3_5 family")
+    par = setup_parallel(cfg)
+    configure(cfg.ops)
+    model = get_family(m.family).build_model(m, par, cfg.resolved_device())
+    hf = vt.build_hf(m).to(par.device)
+    vt.load_same_weights(model, hf, m)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    warm = RolloutGroup(prompt=list(range(1, 65)), responses=[[1] * 8, [2] * 8], rewards=[0.0, 1.0])
+    vt.run_point(model, hf, m, warm, cfg.replay, cfg.grpo, progress=lambda s: None)  # first calls' set-up, untimed
+    for P in map(int, a.prompt_lens.split(",")):
+        prompt = torch.randint(0, m.vocab_size, (P,), generator=gen).tolist()
+        for R in map(int, a.response_lens.split(",")):
+            for G in map(int, a.group_sizes.split(",")):
+                responses = [torch.randint(0, m.vocab_size, (R,), generator=gen).tolist() for _ in range(G)]
+                group = RolloutGroup(prompt=prompt, responses=responses, rewards=[float(i % 3) for i in range(G)])
+                print(f"P={P} R={R} G={G} ({m.dtype}, {torch.get_num_threads()} threads, ops.attention="
+                      f"{cfg.ops.attention}, ops.gdn={cfg.ops.gdn}):", flush=True)
+                res = vt.run_point(model, hf, m, group, cfg.replay, cfg.grpo, copies=a.hf_full_copies,
+                                   progress=lambda s: print(s, flush=True))
+                rows.append({"P": P, "R": R, "G": G, "paths": res})
+                if len(rows) == 1 or rows[-2]["P"] != P:  # the GDN kernels alone, once per prompt length
+                    kern = vt.gdn_kernels(m, P, device=par.device.type)
+                    rows[-1]["gdn_kernels"] = kern
+                    print("  Gated DeltaNet rule, one layer, {} tokens: ours {:,.0f} / {:,.0f} tok/s, transformers' "
+                          "torch rule {:,.0f} / {:,.0f} tok/s (no autograd / forward+backward); max |diff| {:.1e}".format(
+                              P, kern["ours"]["forward_tokens_per_s"], kern["ours"]["forward_backward_tokens_per_s"],
+                              kern["transformers"]["forward_tokens_per_s"],
+                              kern["transformers"]["forward_backward_tokens_per_s"], kern["max_abs_diff"]), flush=True)
+                with open(a.out, "w") as f:
+                    json.dump({"config": config, "device": str(par.device), "dtype": m.dtype,
+                               "threads": torch.get_num_threads(), "overrides": a.overrides, "rows": rows}, f, indent=1)
+    print(vs_table(rows))
+    print(f"wrote {a.out}")
+    return 0
+
+
+def vs_table(rows) -> str:
+    """The side-by-side table: seconds per path (ours with its phases), and the acceptance ratios."""
+    out = ["| P | R | G | transformers full seq. | transformers cache | detached (capture + replay) | "
+           "exact (+ prompt bwd) | detached, batched | exact, batched | detached vs cache | exact vs full seq. | "
+           "exact / detached | grad vs peer (det., exact) |", "|" + "---|" * 13]
+    for r in rows:
+        p = r["paths"]
+        s = {k: v["seconds"] for k, v in p.items()}
+        ph = lambda k, *names: " + ".join(f"{p[k]['phases'].get(n, 0.0):.2f}" for n in names)  # noqa: E731
+        cell = lambda k, *names: (f"{s[k]:.2f} ({ph(k, *names)})" if k in s else "-")  # noqa: E731
+        ratio = lambda a, b, fmt: (fmt.format(s[a] / s[b]) if a in s and b in s else "-")  # noqa: E731
+        scaled = f" (x{r['G'] // p['hf_full']['copies_run']})" if "copies_run" in p.get("hf_full", {}) else ""
+        gr = lambda k: (f"{p[k]['grad_rel_to_peer']['worst_rel']:.1e}" if "grad_rel_to_peer" in p.get(k, {}) else "-")  # noqa: E731
+        both = lambda f, a, b: f"{f(a)} / {f(b)}" if b in s else f(a)  # noqa: E731
+        out.append(f"| {r['P']} | {r['R']} | {r['G']} | " + (f"{s['hf_full']:.1f}{scaled}" if "hf_full" in s else "-")
+                   + " | " + (f"{s['hf_cache']:.2f} ({ph('hf_cache', 'prompt', 'branches')})" if "hf_cache" in s else "-")
+                   + f" | {cell('detached', 'capture', 'replay')} | {cell('exact', 'capture', 'replay', 'prompt_backward')}"
+                   f" | {cell('detached_batched', 'capture', 'replay')} | {cell('exact_batched', 'capture', 'replay', 'prompt_backward')}"
+                   f" | {both(lambda k: ratio('hf_cache', k, '{:.2f}x'), 'detached', 'detached_batched')}"
+                   f" | {both(lambda k: ratio('hf_full', k, '{:.1f}x'), 'exact', 'exact_batched')}"
+                   f" | {ratio('exact', 'detached', '{:.2f}x')}" + (f" / {ratio('exact_batched', 'detached_batched', '{:.2f}x')}"
+                                                                   if "exact_batched" in s else "")
+                   + f" | {gr('detached')}, {gr('exact')} |")
+    return "\n".join(out)
 
 
 def _prod(xs) -> int:

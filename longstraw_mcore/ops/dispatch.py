@@ -1,10 +1,12 @@
 """Which kernel an op runs. One function per op picks it from the tensors' device and dtype and the
 run's choice (`ops.*` in a run config, applied by `configure`):
 
-    attention   auto: flash (ops/flash_attention.py, torch's flash ops) for CUDA bf16 / fp16 with head
-                dim <= 256, the plain-torch twin (ops/block_attention.py) otherwise (CPU, float32,
-                float64: always the twin); plain: the twin everywhere; flash: flash, and an error where
-                it cannot run (comparisons must not silently measure the twin)
+    attention   auto: flash (ops/flash_attention.py, torch's fused ops that return the log-sum-exp) on
+                CPU for every float dtype (bf16 / fp16 run in float32) and on CUDA for bf16 / fp16 with
+                head dim <= 256; the plain-torch twin (ops/block_attention.py) otherwise (CUDA float32 /
+                float64, and on CPU a key set whose value head dim differs from the queries'); plain:
+                the twin everywhere; flash: flash, and an error where it cannot run (comparisons must
+                not silently measure the twin)
     gdn         auto: flash-linear-attention (ops/fla_gdn.py) for CUDA bf16 / fp16 where fla is installed
                 (the `gpu` extra), the plain chunked rule otherwise; plain / fla force one
 
@@ -45,10 +47,10 @@ def attention_kernel(q):
     c = _choice.attention
     if c == "plain":
         return block_attention
-    ok = flash_attention.supports(q) and flash_attention.available()
+    ok = flash_attention.supports(q) and flash_attention.available(q)
     if c == "flash" and not ok:
-        raise ValueError(f"ops.attention=flash needs CUDA bf16/fp16 queries with head dim <= 256 and torch's flash "
-                         f"op; got {q.device.type} {q.dtype}, head dim {q.shape[-1]} (use ops.attention=auto)")
+        raise ValueError(f"ops.attention=flash needs CPU queries, or CUDA bf16/fp16 queries with head dim <= 256, and "
+                         f"torch's flash op; got {q.device.type} {q.dtype}, head dim {q.shape[-1]} (use ops.attention=auto)")
     return flash_attention if ok else block_attention
 
 

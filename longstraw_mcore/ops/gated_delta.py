@@ -87,19 +87,24 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int
     A = (kb @ k.transpose(-1, -2)) * D                                   # unit-lower system I + strict(A)
     strict = torch.ones(C, C, dtype=torch.bool, device=v.device).tril(-1)
     system = torch.where(strict, A, torch.zeros_like(A)) + torch.eye(C, dtype=A.dtype, device=A.device)
-    U0 = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    W = torch.linalg.solve_triangular(system, kb * G.exp()[..., None], upper=False, unitriangular=True)
-    intra = (q @ k.transpose(-1, -2)) * D                                # [B,H,n,C,C]
-    q_dec = q * G.exp()[..., None]
+    # one triangular solve for both right-hand sides: [U0 | W] = T [beta V | beta e^G K]
+    UW = torch.linalg.solve_triangular(system, torch.cat([v * beta[..., None], kb * G.exp()[..., None]], -1),
+                                       upper=False, unitriangular=True)
+    U0, W = UW[..., :Vd], UW[..., Vd:]
     k_dec = k * (G[..., -1:] - G).exp()[..., None]
     chunk_decay = G[..., -1].exp()[..., None, None]                      # [B,H,n,1,1]
 
-    outs = []
+    # The sequential part is the state alone (two matmuls per chunk); the outputs read each chunk's
+    # entering state afterwards, all chunks in one batched product.
+    entering, corrections = [], []
     for i in range(n):
+        entering.append(S)
         u = U0[:, :, i] - W[:, :, i] @ S
-        outs.append(q_dec[:, :, i] @ S + intra[:, :, i] @ u)
+        corrections.append(u)
         S = S * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ u
-    o = torch.stack(outs, dim=2).reshape(B, H, n * C, Vd)[:, :, :T]
+    S_in, U = torch.stack(entering, 2), torch.stack(corrections, 2)     # [B,H,n,K,V], [B,H,n,C,V]
+    o = (q * G.exp()[..., None]) @ S_in + ((q @ k.transpose(-1, -2)) * D) @ U
+    o = o.reshape(B, H, n * C, Vd)[:, :, :T]
     return o.transpose(1, 2).to(out_dtype), S
 
 

@@ -28,8 +28,9 @@ from typing import Protocol
 class LayerFlops(Protocol):
     """One layer's matmul FLOPs on one TP rank (`kind`: "algorithm" or "minimum"; `layer`: its global index)."""
 
-    def capture(self, m, tp: int, layer: int, chunks: list[tuple[int, int]], kind: str) -> float:
-        """Every capture chunk [s, e) of the prompt, forward without autograd."""
+    def capture(self, m, tp: int, layer: int, chunks: list[tuple[int, int]], kind: str, last: bool = False) -> float:
+        """Every capture chunk [s, e) of the prompt, forward without autograd; `last`: the model's last
+        layer (run only as far as its state)."""
 
     def replay(self, m, tp: int, layer: int, R: int, Pc: int, exact: bool, store_probs: bool, kind: str,
                path: tuple[int, ...] = (), seeded: bool = False) -> float:
@@ -124,10 +125,10 @@ def step_flops(layers: dict, m, P: int, lengths: list[int], mode: str, chunk_len
     exact = mode == "exact"
     out = {}
     for kind in ("algorithm", "minimum"):
-        ph = {"capture": sum(f.capture(m, tp, i, chunks, kind) for i, f in per)}
+        last = len(per) - 1
+        ph = {"capture": sum(f.capture(m, tp, i, chunks, kind, i == last) for i, f in per)}
         ph["replay"] = branch_flops(layers, m, P, lengths, exact, tp, store_probs, kind)
         if exact:
-            last = len(per) - 1
             ph["prompt_backward"] = sum(f.recompute(m, tp, i, s, e, i == last, kind) for s, e in chunks
                                         for i, f in per)
         out[kind] = ph

@@ -9,8 +9,8 @@ its SwiGLU MLP, on one TP rank.
                       per chunk of C (ops/gated_delta.py) and the depthwise conv as FlopCounterMode counts
                       it (its input gradient counted like a dense conv)
 
-Exact mode's recompute of the model's last layer runs only as far as its state (forward_state): the
-rest of that layer (attention: q projection, core, o projection; GDN: z / out projections and its
+The capture and exact mode's recompute of the model's last layer run only as far as its state
+(forward_state): the rest of that layer (attention: q projection, core, o projection; GDN: z / out projections and its
 output path) and its MLP are neither run nor differentiated.
 """
 
@@ -37,9 +37,11 @@ class GatedAttentionFlops:
     def _unit(m, tp: int) -> float:
         return 2.0 * (m.num_attention_heads // tp) * m.head_dim
 
-    def capture(self, m, tp, layer, chunks, kind):
-        W, _ = self._weights(m, tp)
+    def capture(self, m, tp, layer, chunks, kind, last=False):
+        W, pruned = self._weights(m, tp)
         Pc = sum(e - s for s, e in chunks)
+        if last:  # only its K/V projections
+            return 2.0 * (W - pruned) * Pc
         pairs = sum(attn_pairs(e - s, s, e, 0, m.attention_block, kind == "algorithm") for s, e in chunks)
         return 2.0 * W * Pc + self._unit(m, tp) * pairs * 2
 
@@ -118,18 +120,20 @@ class GatedDeltaNetFlops:
         conv_bwd = conv_fwd * ch + conv_fwd  # FlopCounterMode: depthwise input-grad counted as dense
         solve = n * 2 * hv * (C * C * V + C * C * K)
         state_mm = 2 * hv * C * K * V  # one of W S, (Q e^G) S, (K e^{G_C-G})^T U for one chunk
-        unneeded = (0 if init_grad else 2 * state_mm) + (0 if final_grad else 2 * state_mm) if n else 0
+        # a constant entering state S_0: no gradient through W_0 S_0; the outputs' (Q e^G) S_in reads every
+        # chunk's entering state in one product, which skips it only when S_in is S_0 alone (one chunk)
+        skip_out = state_mm if n == 1 and not init_grad else 0
+        unneeded = ((0 if init_grad else state_mm) + skip_out + (0 if final_grad else 2 * state_mm)) if n else 0
         full = 2 * (self._fwd(m, tp, tokens) - conv_fwd) + conv_bwd + solve - unneeded
         if not output_unused:
             return full
-        # output path: both operands of its three output matmuls in every chunk, less the entering-state
-        # gradient of (Q e^G) S already left out above
-        return full - (n * 2 * (state_mm + 2 * hv * C * C * (V + K)) - (0 if init_grad or not n else state_mm))
+        # output path: both operands of its three output matmuls in every chunk, less what was left out above
+        return full - (n * 2 * (state_mm + 2 * hv * C * C * (V + K)) - skip_out)
 
-    def capture(self, m, tp, layer, chunks, kind):
-        W, _ = self._weights(m, tp)
+    def capture(self, m, tp, layer, chunks, kind, last=False):
+        W, pruned = self._weights(m, tp)
         Pc = sum(e - s for s, e in chunks)
-        return 2.0 * W * Pc + self._fwd(m, tp, Pc)
+        return 2.0 * (W - pruned if last else W) * Pc + self._fwd(m, tp, Pc)
 
     def replay(self, m, tp, layer, R, Pc, exact, store_probs, kind, path=(), seeded=False):
         # the state entering a branch is a constant (detached) or a leaf (exact, or a prefix tree's segment

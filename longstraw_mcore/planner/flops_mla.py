@@ -97,7 +97,11 @@ class MLADSAFlops:
                       + T * h * R * m.v_head_dim)
         return (self._linear(m, tp, layer, T) + attn) * (3 if grad else 1) + self._index(m, tp, T, pairs)
 
-    def capture(self, m, tp, layer, chunks, kind):
+    def capture(self, m, tp, layer, chunks, kind, last=False):
+        if last:  # only its latents, RoPE keys and indexer keys (the recompute's forward)
+            T, H = sum(e - s for s, e in chunks), m.hidden_size
+            return (2.0 * T * (H * (m.kv_lora_rank + m.qk_rope_head_dim) // tp)
+                    + (2.0 * T * (H * m.index_head_dim // tp) if self.indexer else 0.0))
         return sum(self._call(m, tp, layer, e - s, s, e, kind, grad=False, rows=_stripe(e, tp) if tp > 1 else None)
                    for s, e in chunks)
 

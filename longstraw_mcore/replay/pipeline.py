@@ -169,6 +169,7 @@ def _capture(core, model, steps: list[Step], g, state: PromptState, layout: CPLa
         out = S.capture_chunk(core, state, step, g, layout, keep)
         if g.watch is not None and core.pre_process:
             g.watch.done(step)
+        out = out if out is not None else torch.zeros((), device=next(core.parameters()).device)  # last stage
         return out, lambda _: _loss(out.new_zeros(()), n)
 
     _replay_schedule(core, model, steps, forward_step, forward_only=True)

@@ -1,7 +1,8 @@
 """One step of a replay plan (replay/plan.py) on this rank's layers: what both executors run.
 
-    capture_chunk     prompt chunk under no_grad (under CP this rank's zig-zag pieces); each layer's state
-                      kind keeps what later tokens need (peak activations: one chunk)
+    capture_chunk     prompt chunk under no_grad (under CP this rank's zig-zag pieces; on the last stage its
+                      last layer only as far as its state); each layer's state kind keeps what later tokens
+                      need (peak activations: one chunk)
     replay            [prompt[-1]] + y_b[:-1] at positions P-1.. against the state -> log-probs of y_b ->
                       the branch's loss term (`replay_inputs`, `replay_context`, `branch_losses`; at pp = 1
                       `replay_step` also runs the backward, which frees the graph: the branch's own K/V and
@@ -142,15 +143,17 @@ def chunk_ids(g: GroupInputs, span: tuple[int, int], layout: CPLayout | None) ->
 
 def capture_chunk(core, state: PromptState, step: Step, g: GroupInputs, layout: CPLayout | None, keep: bool):
     """One capture step on this rank's layers: record the chunk's bounds, run it without autograd
-    (under CP this rank's pieces of it); returns the output of this rank's last layer. `keep`: exact
-    mode, GDN kinds record the state entering each chunk for its recompute."""
+    (under CP this rank's pieces of it); returns the output of this rank's last layer, or None on the
+    last pipeline stage, whose last layer runs only as far as its state (its output feeds nothing: the
+    prompt's logits are never needed). `keep`: exact mode, GDN kinds record the state entering each
+    chunk for its recompute."""
     s0, s1 = step.span
     cp, rank = (layout.size, layout.rank) if layout is not None else (1, 0)
     ls0 = state.local_bounds[-1][1] if state.local_bounds else 0
     state.chunk_bounds.append(step.span)
     state.local_bounds.append((ls0, ls0 + local_count(s1 - s0, cp, rank)))
     with torch.no_grad(), prompt_adapters(core):
-        out = core.forward_hidden(chunk_ids(g, step.span, layout), CaptureContext(state, step.index, keep, layout))
+        out = core.forward_state(chunk_ids(g, step.span, layout), CaptureContext(state, step.index, keep, layout))
     state.length = s1
     return out
 

@@ -1,7 +1,9 @@
 """Blockwise attention (online softmax forward, recompute backward) against plain autograd
 attention over the concatenated keys: outputs and gradients w.r.t. queries and *every* key/value set
 (prompt-state gradients of exact mode), for several block sizes, GQA and split points, with the
-prompt set's probabilities recomputed in the backward or stored by the forward."""
+prompt set's probabilities recomputed in the backward or stored by the forward. Each with both CPU
+kernels (`kernel`: the plain twin, and torch's fused CPU op that ops.attention=auto takes; stored
+probabilities are the twin's alone)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,17 @@ from longstraw_mcore.ops.attention import block_attention, merge_attention
 F64 = torch.float64
 
 
+@pytest.fixture(params=["plain", "flash"])
+def kernel(request):
+    from longstraw_mcore.ops import dispatch
+
+    with dispatch.override(attention=request.param):
+        yield request.param
+
+
 @pytest.mark.parametrize("store", [False, True])
 @pytest.mark.parametrize("P,T,block,Hq,Hk", [(0, 5, 4, 2, 2), (13, 6, 4, 6, 2), (40, 9, 7, 4, 1), (5, 1, 64, 4, 2), (9, 23, 4, 2, 1)])
-def test_prompt_plus_branch_equals_full_attention(P, T, block, Hq, Hk, store):
+def test_prompt_plus_branch_equals_full_attention(P, T, block, Hq, Hk, store, kernel):
     g = torch.Generator().manual_seed(P * 31 + T)
     mk = lambda *s: torch.randn(*s, generator=g, dtype=F64).requires_grad_()  # noqa: E731
     q, kb, vb = mk(2, T, Hq, 8), mk(2, T, Hk, 8), mk(2, T, Hk, 8)
@@ -39,7 +49,7 @@ def test_prompt_plus_branch_equals_full_attention(P, T, block, Hq, Hk, store):
         assert torch.allclose(grad(x), r, rtol=0, atol=1e-12), f"d{name} drifted: {(grad(x) - r).abs().max():.2e}"
 
 
-def test_causal_within_one_set_and_lse():
+def test_causal_within_one_set_and_lse(kernel):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 10, 2, 4, generator=g, dtype=F64)
     k = torch.randn(1, 10, 2, 4, generator=g, dtype=F64)
@@ -55,7 +65,7 @@ def test_causal_within_one_set_and_lse():
 
 
 @pytest.mark.parametrize("store", [False, True])
-def test_gradcheck_small(store):
+def test_gradcheck_small(store, kernel):
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 3, 2, 3, generator=g, dtype=F64, requires_grad=True)
     k = torch.randn(1, 5, 1, 3, generator=g, dtype=F64, requires_grad=True)
@@ -65,6 +75,16 @@ def test_gradcheck_small(store):
 
 
 def test_stored_probabilities_are_released_by_the_backward():
+    from longstraw_mcore.ops import dispatch
+
+    dispatch.configure(dispatch.OpsConfig(attention="plain"))  # (stored probabilities are the twin's)
+    try:
+        _stored_released()
+    finally:
+        dispatch.configure(dispatch.OpsConfig())
+
+
+def _stored_released():
     g = torch.Generator().manual_seed(2)
     q = torch.randn(1, 4, 2, 8, generator=g, requires_grad=True)
     k, v = torch.randn(1, 300, 2, 8, generator=g), torch.randn(1, 300, 2, 8, generator=g)

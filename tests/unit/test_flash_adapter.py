@@ -1,13 +1,15 @@
-"""The flash-attention adapter (ops/flash_attention.py) against the plain twin, on CPU: the two op
-calls it makes are replaced by a plain implementation of the op's documented contract (q [B,T,Hq,D],
-k/v [B,S,Hk,*] with Hq a multiple of Hk, causal = bottom-right aligned, lse [B,Hq,T] with +inf for rows
-that see no key; the backward computes its row term as rowsum(dO * O) from the out it is given), so
-what is tested is everything around the op: masks from absolute positions (all visible, aligned,
-visible prefix, nothing visible, rows with no key), a batch-1 state folded into one sequence or
-expanded, GQA, the merged lse, a delta that carries -dlse (through O'), the plain fallback, state
-sinks with a scale, and the merged-attention node end to end. float64, <= 1e-12. The real op is
-compared with the twin on a GPU (tests/gpu/test_flash_attention.py). Also: the dispatch and its
-overrides."""
+"""The flash-attention adapter (ops/flash_attention.py) against the plain twin, float64, <= 1e-12, on
+CPU, two ways (the `flash` fixture's parameter):
+  - "cpu": torch's real CPU op (top-left causal: the square pieces of `_calls`);
+  - "cuda-contract": the CUDA op's two calls replaced by a plain implementation of its documented
+    contract (q [B,T,Hq,D], k/v [B,S,Hk,*] with Hq a multiple of Hk, causal = bottom-right aligned, lse
+    [B,Hq,T] with +inf for rows that see no key; the backward computes its row term as rowsum(dO * O)
+    from the out it is given), so what is tested is everything around that op (the real one is compared
+    with the twin on a GPU: tests/gpu/test_flash_attention.py).
+Covered: masks from absolute positions (all visible, aligned, visible prefix, nothing visible, rows with
+no key), a batch-1 state folded into one sequence or expanded, GQA, the merged lse, a delta that carries
+-dlse (through O'), the plain fallbacks (dO = 0 rows; on CPU values of another head dim), state sinks
+with a scale, and the merged-attention node end to end. Also: the dispatch and its overrides."""
 
 from __future__ import annotations
 
@@ -46,12 +48,13 @@ def _contract_backward(do, q, k, v, out, lse, causal, scale):
     return dq, dk, dv
 
 
-@pytest.fixture
-def flash(monkeypatch):
+@pytest.fixture(params=["cpu", "cuda-contract"])
+def flash(request, monkeypatch):
     from longstraw_mcore.ops import flash_attention
 
-    monkeypatch.setattr(flash_attention, "_op_forward", _contract_forward)
-    monkeypatch.setattr(flash_attention, "_op_backward", _contract_backward)
+    if request.param == "cuda-contract":
+        monkeypatch.setattr(flash_attention, "_ops", lambda q: (_contract_forward, _contract_backward, True, q.dtype))
+    flash_attention.kind = request.param
     return flash_attention
 
 
@@ -62,6 +65,9 @@ CASES = [  # (name, B, Bk, T, S, q_start, k_start)
     ("rows that see no key", 1, 1, 8, 10, 0, 5),
     ("causal over a batch-1 set (expanded)", 2, 1, 4, 9, 5, 0),
     ("nothing visible", 2, 2, 5, 4, 0, 30),
+    ("keys ending before the last query", 2, 2, 6, 5, 3, 0),
+    ("rows without keys, masked rows and rows seeing every key", 1, 1, 8, 4, 0, 3),
+    ("one query seeing every key but the last", 2, 1, 1, 7, 5, 0),
 ]
 
 
@@ -69,9 +75,10 @@ CASES = [  # (name, B, Bk, T, S, q_start, k_start)
 def test_partials_equal_the_plain_twin(flash, name, B, Bk, T, S, q_start, k_start):
     from longstraw_mcore.ops import block_attention as plain
 
-    g = torch.Generator().manual_seed(hash(name) % 1000)
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    dv = 8 if flash.kind == "cpu" else 6   # (the CPU op needs the value head dim to be the queries')
     q = torch.randn(B, T, 4, 8, generator=g, dtype=F64)
-    k, v = torch.randn(Bk, S, 2, 8, generator=g, dtype=F64), torch.randn(Bk, S, 2, 6, generator=g, dtype=F64)
+    k, v = torch.randn(Bk, S, 2, 8, generator=g, dtype=F64), torch.randn(Bk, S, 2, dv, generator=g, dtype=F64)
     scale = 0.3
     ref_o, ref_l, _ = plain.partial_forward(q, k, v, q_start, k_start, scale, 4, False)
     got_o, got_l, _ = flash.partial_forward(q, k, v, q_start, k_start, scale, 4, False)
@@ -81,7 +88,7 @@ def test_partials_equal_the_plain_twin(flash, name, B, Bk, T, S, q_start, k_star
     assert (got_o - ref_o).abs().max() <= 1e-12
     # the merged lse: this set's plus another set's (every row sees at least that one)
     lse = torch.logaddexp(ref_l, torch.randn(B, 4, T, generator=g, dtype=F64))
-    do = torch.randn(B, 4, T, 6, generator=g, dtype=F64)
+    do = torch.randn(B, 4, T, dv, generator=g, dtype=F64)
     delta = torch.randn(B, 4, T, generator=g, dtype=F64)                 # rowsum(dO * O) - dlse: any numbers
     for sink_scale in (None, 0.5):
         sinks = {}
@@ -91,7 +98,7 @@ def test_partials_equal_the_plain_twin(flash, name, B, Bk, T, S, q_start, k_star
             if sink_scale is not None:
                 if Bk != 1:
                     continue
-                sink = (torch.zeros(1, S, 2, 8, dtype=F64), torch.zeros(1, S, 2, 6, dtype=F64))
+                sink = (torch.zeros(1, S, 2, 8, dtype=F64), torch.zeros(1, S, 2, dv, dtype=F64))
             res[kern] = kern.partial_backward(q, k, v, do, delta, lse, q_start, k_start, scale, 4, None, True, True,
                                               True, sink=sink, sink_scale=sink_scale or 1.0)
             sinks[kern] = sink
@@ -123,6 +130,7 @@ def test_zero_output_gradient_with_a_row_term_falls_back_to_plain(flash):
 def test_merged_attention_through_the_dispatch(flash, monkeypatch):
     """The model's entry point with the flash kernels (forced through the dispatch): a state set with a
     float64 sink and a branch's own keys; the loss uses lse too (dlse != 0)."""
+    from longstraw_mcore.ops import block_attention as plain
     from longstraw_mcore.ops import dispatch
     from longstraw_mcore.ops.attention import KeySet, attention
 
@@ -131,8 +139,7 @@ def test_merged_attention_through_the_dispatch(flash, monkeypatch):
             dict(q=(2, 9, 4, 16), kb=(2, 9, 2, 16), vb=(2, 9, 2, 16), kp=(1, 40, 2, 16), vp=(1, 40, 2, 16)).items()}
     res = {}
     for name in ("plain", "flash"):
-        if name == "flash":
-            monkeypatch.setattr(dispatch, "attention_kernel", lambda q: flash)
+        monkeypatch.setattr(dispatch, "attention_kernel", lambda q: flash if name == "flash" else plain)
         t = {n: x.clone().requires_grad_(n in ("q", "kb", "vb")) for n, x in base.items()}
         sink = (torch.zeros(1, 40, 2, 16, dtype=F64), torch.zeros(1, 40, 2, 16, dtype=F64))
         out, lse = attention(t["q"], [KeySet(t["kp"], t["vp"], 0, grad=sink), KeySet(t["kb"], t["vb"], 40)], 40, block=8)
@@ -142,17 +149,39 @@ def test_merged_attention_through_the_dispatch(flash, monkeypatch):
         assert (a - b).abs().max() <= 1e-12 * max(1.0, float(b.abs().max()))
 
 
-def test_dispatch_and_overrides():
+def test_cpu_op_falls_back_where_it_does_not_apply():
+    """Values with another head dim than the queries (the CPU op refuses them): the plain twin's numbers,
+    bit for bit; bf16 runs the op in float32 (the twin's work dtype): within float32 rounding of the twin."""
+    from longstraw_mcore.ops import block_attention as plain
+    from longstraw_mcore.ops import flash_attention as flash
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 5, 4, 8, generator=g, dtype=F64), torch.randn(2, 9, 2, 8, generator=g, dtype=F64),
+               torch.randn(2, 9, 2, 6, generator=g, dtype=F64))
+    for a, b in zip(flash.partial_forward(q, k, v, 4, 0, 0.3, 4, False)[:2], plain.partial_forward(q, k, v, 4, 0, 0.3, 4, False)[:2]):
+        assert torch.equal(a, b)
+    v = torch.randn(2, 9, 2, 8, generator=g, dtype=F64)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    (fo, fl, _), (po, pl, _) = flash.partial_forward(qb, kb, vb, 4, 0, 0.3, 4, False), plain.partial_forward(qb, kb, vb, 4, 0, 0.3, 4, False)
+    assert fo.dtype == po.dtype == torch.float32 and fl.dtype == torch.float32
+    assert float((fo - po).abs().max()) <= 1e-5 and float((fl - pl).abs().max()) <= 1e-5
+
+
+def test_dispatch_and_overrides(monkeypatch):
     from longstraw_mcore.config import ConfigError, OpsConfig, load_config
-    from longstraw_mcore.ops import block_attention, dispatch
+    from longstraw_mcore.ops import block_attention, dispatch, flash_attention
 
     q = torch.randn(1, 2, 4, 8)
-    assert dispatch.attention_kernel(q) is block_attention                      # CPU: always the twin
-    assert dispatch.attention_kernel(q.bfloat16()) is block_attention
+    for dt in (torch.float32, torch.float64, torch.bfloat16):                   # CPU: torch's fused CPU op
+        assert dispatch.attention_kernel(q.to(dt)) is flash_attention
     with dispatch.override(attention="plain"):
         assert dispatch.attention_kernel(q) is block_attention
-    with dispatch.override(attention="flash"), pytest.raises(ValueError, match="ops.attention=flash needs CUDA"):
-        dispatch.attention_kernel(q.bfloat16())
+    with dispatch.override(attention="flash"):
+        assert dispatch.attention_kernel(q) is flash_attention
+        monkeypatch.setattr(flash_attention, "available", lambda q=None: False)  # a torch without the op
+        with pytest.raises(ValueError, match="ops.attention=flash needs CPU queries, or CUDA bf16"):
+            dispatch.attention_kernel(q)
+    monkeypatch.undo()
     assert dispatch._choice.attention == "auto"                                 # restored after the block
     with pytest.raises(ConfigError, match=r"ops.attention='fast': must be one of \['auto', 'plain', 'flash'\]"):
         dispatch.override(attention="fast").__enter__()

@@ -1,5 +1,5 @@
 """The analytic FLOP model (planner/flops.py) equals what torch.utils.flop_counter.FlopCounterMode
-counts on the real code path, FLOP for FLOP: branch replay in both modes, with the attention
+counts on the real code path (attention on the plain twin), FLOP for FLOP: branch replay in both modes, with the attention
 probabilities recomputed or stored, naive full-sequence GRPO, at TP=1 and TP=2 (per rank), for
 prompt/branch lengths that are not multiples of the attention block, the GDN chunk or the capture
 chunk, a one-token branch and a one-token prompt, and a prefix tree of depth 2 (replay/tree.py, both
@@ -41,6 +41,13 @@ def _tree_rows(model, family, m, prompt, lengths, g, chunk: int, logprob_chunk: 
 def _worker(rank, world_size):
     import torch
     from torch.utils.flop_counter import FlopCounterMode
+
+    from longstraw_mcore.config import OpsConfig
+    from longstraw_mcore.ops.dispatch import configure
+
+    # The model counts the plain twin's attention (whole key blocks); FlopCounterMode has no formula for
+    # torch's fused CPU attention op, which ops.attention=auto takes on CPU.
+    configure(OpsConfig(attention="plain"))
 
     from longstraw_mcore.config import ParallelConfig, ReplayConfig, RunConfig, load_config
     from longstraw_mcore.data.rollouts import RolloutGroup
