@@ -87,23 +87,33 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int
     A = (kb @ k.transpose(-1, -2)) * D                                   # unit-lower system I + strict(A)
     strict = torch.ones(C, C, dtype=torch.bool, device=v.device).tril(-1)
     system = torch.where(strict, A, torch.zeros_like(A)) + torch.eye(C, dtype=A.dtype, device=A.device)
-    # one triangular solve for both right-hand sides: [U0 | W] = T [beta V | beta e^G K]
-    UW = torch.linalg.solve_triangular(system, torch.cat([v * beta[..., None], kb * G.exp()[..., None]], -1),
-                                       upper=False, unitriangular=True)
-    U0, W = UW[..., :Vd], UW[..., Vd:]
-    k_dec = k * (G[..., -1:] - G).exp()[..., None]
+    U0 = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    W = torch.linalg.solve_triangular(system, kb * G.exp()[..., None], upper=False, unitriangular=True)
+    k_dec = (k * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2)  # [B,H,n,K,C]
     chunk_decay = G[..., -1].exp()[..., None, None]                      # [B,H,n,1,1]
 
-    # The sequential part is the state alone (two matmuls per chunk); the outputs read each chunk's
-    # entering state afterwards, all chunks in one batched product.
-    entering, corrections = [], []
-    for i in range(n):
-        entering.append(S)
-        u = U0[:, :, i] - W[:, :, i] @ S
-        corrections.append(u)
-        S = S * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ u
-    S_in, U = torch.stack(entering, 2), torch.stack(corrections, 2)     # [B,H,n,K,V], [B,H,n,C,V]
-    o = (q * G.exp()[..., None]) @ S_in + ((q @ k.transpose(-1, -2)) * D) @ U
+    q_dec = q * G.exp()[..., None]
+    intra = (q @ k.transpose(-1, -2)) * D                                # [B,H,n,C,C]
+    # The sequential part is the state; its per-chunk operands come from unbind (one backward node that
+    # stacks every chunk's gradient) rather than indexing, whose backward writes each chunk's gradient
+    # into a zero tensor of the whole sequence: quadratic in the chunks. With autograd the loop carries
+    # the state alone (two matmuls per chunk) and the outputs read every chunk's entering state in one
+    # batched product afterwards (a shorter graph); without it each chunk's output is written in place.
+    steps = zip(U0.unbind(2), W.unbind(2), chunk_decay.unbind(2), k_dec.unbind(2))
+    if torch.is_grad_enabled():
+        entering, corrections = [], []
+        for u0, w, decay, kd in steps:
+            entering.append(S)
+            u = u0 - w @ S
+            corrections.append(u)
+            S = S * decay + kd @ u
+        o = q_dec @ torch.stack(entering, 2) + intra @ torch.stack(corrections, 2)
+    else:
+        o = torch.empty_like(U0)
+        for i, (u0, w, decay, kd) in enumerate(steps):
+            u = u0 - w @ S
+            o[:, :, i] = q_dec[:, :, i] @ S + intra[:, :, i] @ u
+            S = S * decay + kd @ u
     o = o.reshape(B, H, n * C, Vd)[:, :, :T]
     return o.transpose(1, 2).to(out_dtype), S
 
