@@ -26,6 +26,13 @@ class ReplayConfig:
     recompute: the FLOP minimum) when they fit in this many MiB per rank, summed over this rank's
     attention layers (layers x local heads x branch tokens x prompt tokens x 4 B, 8 B in float64);
     otherwise, and at 0 (default), the backward recomputes them (memory O(branch x block))."""
+    keep_prompt_graph_mib: float = 0.0
+    """Exact mode: the last capture chunks whose autograd graphs fit in this many MiB per rank (the
+    planner's saved-tensor estimate, planner/activations.py) are captured with autograd and their graphs
+    kept through the replay, so the prompt sweep runs only their backward instead of recomputing them
+    (the same numbers; about one capture's work less). Applies at pipeline size 1 without context
+    parallelism, KV groups or state staging, to attention and Gated DeltaNet layers (the Qwen3.5/3.6
+    family); elsewhere, and at 0 (default), every chunk is recomputed."""
     prefix_tree: bool = True
     """Responses of a group that begin with the same tokens replay those once, as a prefix tree's
     shared segments (replay/tree.py; the same numbers as replaying each whole); false: every response
@@ -42,6 +49,9 @@ class ReplayConfig:
         check_ints(self, "replay", ("reuse_steps",))
         if not (isinstance(self.progress_every_s, (int, float)) and self.progress_every_s >= 0):
             raise ConfigError(f"replay.progress_every_s={self.progress_every_s!r}: must be a number of seconds >= 0")
+        if not self.keep_prompt_graph_mib >= 0:
+            raise ConfigError(f"replay.keep_prompt_graph_mib={self.keep_prompt_graph_mib}: must be >= 0 "
+                              "(0 = recompute every chunk)")
         if not self.attn_probs_budget_mib >= 0:
             raise ConfigError(f"replay.attn_probs_budget_mib={self.attn_probs_budget_mib}: must be >= 0 "
                               "(0 = always recompute)")

@@ -85,7 +85,11 @@ class _MergedAttention(torch.autograd.Function):
         lse = lse.transpose(1, 2).contiguous()                                    # [B,T,Hq]
         # Stored probabilities are saved tensors too: freed by the backward unless retain_graph.
         flat = [t for kp in kept if kp is not None for pair in kp.values() for t in pair]
-        ctx.save_for_backward(q, *kv, out, lse, *flat)
+        # Key sets without a gradient (prompt state: views of its buffers) are held apart from the saved
+        # tensors: a capture that keeps its graph (replay.keep_prompt_graph_mib) writes later chunks' rows
+        # of those buffers, which would trip the saved views' version check though no read row changes.
+        ctx.consts = {i: t for i, t in enumerate(kv) if not t.requires_grad}
+        ctx.save_for_backward(q, *[None if i in ctx.consts else t for i, t in enumerate(kv)], out, lse, *flat)
         ctx.cfg, ctx.kept_keys = cfg, [None if kp is None else list(kp) for kp in kept]
         return out, lse
 
@@ -94,6 +98,7 @@ class _MergedAttention(torch.autograd.Function):
         q_start, scale, block, sets = ctx.cfg
         n = len(sets)
         q, kv, out, lse, flat = unpack_saved(ctx.saved_tensors, n)
+        kv = [ctx.consts.get(i, t) for i, t in enumerate(kv)]
         work = work_dtype(q.dtype)
         do, delta, lse_h = backward_terms(dout, dlse, out, lse, work)                 # [B,Hq,T,*]
         kern = kernel(q)

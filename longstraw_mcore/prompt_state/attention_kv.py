@@ -97,7 +97,11 @@ class AttentionKV(LayerState):
 
     # --- exact mode ------------------------------------------------------------------------------
     def enable_grad(self) -> None:
+        """Allocate the accumulators (once: a chunk captured with its graph kept, replay.keep_prompt_graph_mib,
+        holds sinks into them from its capture on)."""
         assert self.k.shape[0] == 1, "state gradients are kept for one prompt (batch 1)"
+        if self.grad is not None:
+            return
         dt = grad_dtype(self.k.dtype)
         self.grad = (torch.zeros(self.k.shape, dtype=dt, device=self.k.device),
                      torch.zeros(self.v.shape, dtype=dt, device=self.v.device))

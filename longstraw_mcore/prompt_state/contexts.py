@@ -14,6 +14,9 @@ context forwards the state hooks to that layer's state kind for its phase:
   updates are scratch of its graph, freed with it.
 - `RecomputeContext`: exact mode's reverse sweep, chunk c with autograd against the state before
   it; kinds record what the chunk produces, to be seeded with the accumulated gradient.
+- `KeptCaptureContext`: exact mode's capture of a chunk whose graph is kept for the sweep
+  (replay.keep_prompt_graph_mib): one autograd run that is both, the state stored as a capture stores
+  it (detached) and the chunk's outputs recorded as its recompute would record them.
 
 With context parallelism (`layout`: parallel/cp.py) a capture or recompute chunk holds this rank's
 zig-zag pieces of the chunk, its positions are those pieces', attention is
@@ -232,3 +235,32 @@ class RecomputeContext(_ChunkBase):
 
     def write(self, n: int, new) -> None:
         self.state.layers[n].recompute_write(self.chunk, new)
+
+
+class KeptCaptureContext(RecomputeContext):
+    """A capture chunk run with autograd whose graph the sweep back-propagates instead of recomputing
+    it (replay.keep_prompt_graph_mib; one rank, no pipeline, context parallelism, KV groups or state
+    staging: replay/steps.py `kept_chunks`). Attention: the chunk's K/V stored (detached) and its keys
+    handed out as the recompute's, the earlier chunks' with their gradient accumulators as sinks (made
+    now rather than at enable_grad). Gated DeltaNet: the entering state recorded as the chunk's
+    boundary, read through leaves; the leaving one stored detached and recorded as the output."""
+
+    def __init__(self, state: PromptState, chunk: int):
+        super().__init__(state, chunk, None)
+
+    def key_sets(self, n: int, k, v):
+        st = self.state.layers[n]
+        st.capture_keys(k.detach(), v.detach(), self.local_span[0], self.span)
+        st.enable_grad()
+        return st.recompute_keys(k, v, self.chunk, self.local_span, self.span)
+
+    def read(self, n: int):
+        self.state.layers[n].capture_read(self.chunk, True)
+        return self.state.layers[n].recompute_read(self.chunk)
+
+    def write(self, n: int, new) -> None:
+        self.state.layers[n].capture_write(GDNState(conv=new.conv.detach(), recurrent=new.recurrent.detach()))
+        self.state.layers[n].recompute_write(self.chunk, new)
+
+    def latent(self, n: int, own):
+        raise AssertionError("MLA layers are captured without a kept graph (replay/steps.py kept_chunks)")

@@ -27,6 +27,7 @@ def execute_local(model, plan: list[Step], g: S.GroupInputs, state: PromptState,
     seconds: dict[str, float] = {}
     results: dict[int, S.BranchResult] = {}
     keep = g.cfg.mode == "exact"
+    kept = S.kept_chunks(core, plan, g, layout)  # (exact mode: captured with their graphs for the sweep)
     path = SegmentPath()
     watch = g.watch
     for step in plan:
@@ -35,6 +36,8 @@ def execute_local(model, plan: list[Step], g: S.GroupInputs, state: PromptState,
         t0 = time.perf_counter()
         if step.phase in _TIMED_AS:
             S.transition(state, step, layout)
+        elif step.phase == "capture" and step.index in kept:
+            S.capture_kept_chunk(core, state, step, g)
         elif step.phase == "capture":
             S.capture_chunk(core, state, step, g, layout, keep)
         elif step.phase == "replay":
@@ -48,7 +51,7 @@ def execute_local(model, plan: list[Step], g: S.GroupInputs, state: PromptState,
             if g.loss_fn is not None:
                 S.micro_step_done(model)
         elif step.phase == "prompt_backward":
-            S.prompt_backward_step(core, state, step, g, layout)
+            S.prompt_backward_step(core, state, step, g, layout, kept=step.index in kept)
             S.micro_step_done(model)
         else:
             raise ValueError(f"unknown plan phase {step.phase!r}")

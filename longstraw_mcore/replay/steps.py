@@ -158,6 +158,48 @@ def capture_chunk(core, state: PromptState, step: Step, g: GroupInputs, layout: 
     return out
 
 
+def kept_chunks(core, plan: list[Step], g: GroupInputs, layout: CPLayout | None) -> set[int]:
+    """Exact mode's capture chunks captured with autograd and their graphs kept for the sweep
+    (replay.keep_prompt_graph_mib): the last ones whose saved tensors, by the planner's estimate
+    (planner/activations.py, the model's last layer only as far as its state), fit the budget together.
+    None where the kept capture does not apply: pipeline stages, context parallelism, KV groups, staged
+    state (memory.state_offload, state_dtype=fp8), layers other than attention and Gated DeltaNet."""
+    budget = g.cfg.keep_prompt_graph_mib * 2**20
+    if (g.cfg.mode != "exact" or budget <= 0 or g.loss_fn is None or layout is not None or core.kv_group is not None
+            or core.pg_collection.pp.size() > 1 or prompt_is_frozen(core)):
+        return set()
+    from longstraw_mcore.planner.activations import kind_bytes
+
+    kinds = core.state_kinds()
+    if any(k.state.kind not in ("attention_kv", "gdn_state") for k in kinds.values()):
+        return set()
+    last = max(kinds)
+    chunks = [(st.index, st.span) for st in plan if st.phase == "capture"]
+    kept, used = set(), 0
+    for c, (s0, s1) in reversed(chunks):
+        need = sum(kind_bytes(kinds[n], core.model_cfg, core.tp_size, s1 - s0, n - 1, s1, produce_only=n == last)
+                   for n in kinds)
+        if used + need > budget:
+            break
+        kept.add(c)
+        used += need
+    return kept
+
+
+def capture_kept_chunk(core, state: PromptState, step: Step, g: GroupInputs) -> None:
+    """A capture step whose autograd graph the sweep will back-propagate (`kept_chunks`): the state is
+    stored as capture_chunk stores it, the chunk's outputs recorded as its recompute would record them."""
+    from longstraw_mcore.prompt_state.contexts import KeptCaptureContext
+
+    s0, s1 = step.span
+    ls0 = state.local_bounds[-1][1] if state.local_bounds else 0
+    state.chunk_bounds.append(step.span)
+    state.local_bounds.append((ls0, ls0 + s1 - s0))
+    with torch.enable_grad(), prompt_adapters(core):
+        core.forward_state(chunk_ids(g, step.span, None), KeptCaptureContext(state, step.index))
+    state.length = s1
+
+
 def prompt_adapters(core):
     """The adapters at prompt positions: as they are, or off with adapter.prompt=frozen (the prompt
     state then depends on the frozen base only)."""
@@ -297,10 +339,12 @@ def chunk_seeds(state: PromptState, chunk: int, layout: CPLayout | None) -> list
     return grads if layout is None else [x * layout.size for x in grads]
 
 
-def prompt_backward_step(core, state: PromptState, step: Step, g: GroupInputs, layout: CPLayout | None) -> None:
-    """One chunk of exact mode's reverse sweep (pp = 1): its recompute and one backward seeded with the
-    state gradient accumulated so far."""
-    recompute_chunk(core, state, step, g, layout)
+def prompt_backward_step(core, state: PromptState, step: Step, g: GroupInputs, layout: CPLayout | None,
+                         kept: bool = False) -> None:
+    """One chunk of exact mode's reverse sweep (pp = 1): its recompute (none when its capture `kept` its
+    graph) and one backward seeded with the state gradient accumulated so far."""
+    if not kept:
+        recompute_chunk(core, state, step, g, layout)
     # a state that no trainable weight reaches (adapters on some projections only: the first layer's
     # K/V from an unadapted projection of the frozen embedding) has no backward
     pairs = [(o, sd) for o, sd in zip(state.outputs(step.index), chunk_seeds(state, step.index, layout))

@@ -75,6 +75,10 @@ def _worker(rank, world_size):
     load_full(model, hf_to_mcore(hf_state(hf), m))
     gcfg = GRPOConfig(beta=0.05)
     out = {"exact": [], "invariance": [], "bytes": []}
+    from longstraw_mcore.replay import steps
+
+    recomputes, recompute = [], steps.recompute_chunk
+    steps.recompute_chunk = lambda *a, **k: (recomputes.append(1), recompute(*a, **k))[1]
 
     for P, lengths, seed in [(23, [1], 1), (23, [5, 1, 9], 2), (17, [3, 1, 7, 2, 6, 1, 4, 8], 3), (1, [4, 2, 1], 4)]:
         group = make_group(m, P, lengths, seed)
@@ -96,18 +100,25 @@ def _worker(rank, world_size):
                     out.setdefault("cosine", []).append((P, len(lengths), num / den))
                 # invariances on the larger groups: reversed branch order, batched branches, attention
                 # probabilities stored in forward instead of recomputed in backward (one at a time, batched)
-                if len(lengths) >= 3:
-                    for variant in ("reversed", "batched", "stored", "batched+stored"):
+                # exact mode: the capture chunks' graphs kept for the sweep instead of recomputed, all of them
+                # or the last ones within a budget (replay.keep_prompt_graph_mib; the recomputes counted)
+                kept_variants = ("kept", "kept-partial", "batched+kept") if mode == "exact" and P > 1 else ()
+                if len(lengths) >= 3 or kept_variants:
+                    for variant in (("reversed", "batched", "stored", "batched+stored") if len(lengths) >= 3 else ()) + kept_variants:
+                        keep = {"kept": 64.0, "batched+kept": 64.0, "kept-partial": 0.3}.get(variant, 0.0)
                         vcfg = ReplayConfig(mode=mode, chunk_len=chunk, batch_branches="batched" in variant,
-                                            attn_probs_budget_mib=64.0 if "stored" in variant else 0.0)
+                                            attn_probs_budget_mib=64.0 if "stored" in variant else 0.0,
+                                            keep_prompt_graph_mib=keep)
                         order = list(reversed(range(len(lengths)))) if variant == "reversed" else None
+                        recomputes.clear()
                         l2, lp2, g2 = grads_and_loss(model, group, gcfg, lambda fn: [
                             r.logprobs for r in run_group(model, group.prompt, group.responses, fn, vcfg,
                                                           order=order)[0]])
                         out["invariance"].append(dict(P=P, mode=mode, chunk=chunk, variant=variant,
                                                       grad=max(rel(g2[k], g[k]) for k in g),
                                                       logp=max(rel(a, b) for a, b in zip(lp2, lp)),
-                                                      loss=abs(l2 - loss) / abs(loss)))
+                                                      loss=abs(l2 - loss) / abs(loss), recomputed=len(recomputes),
+                                                      chunks=-(-(P - 1) // chunk)))
         # chunk-size invariance within each mode
         for mode in ("exact", "detached"):
             gs = [grads_and_loss(model, group, gcfg, lambda fn: [r.logprobs for r in run_group(
@@ -153,6 +164,12 @@ def test_exact_equals_full_sequence_and_invariances():
         assert r["loss"] <= 1e-10 and r["logp"] <= 1e-10 and r["grad"] <= 1e-10, r
     for r in out["invariance"]:
         assert r["grad"] <= 1e-10 and r["logp"] <= 1e-10 and r["loss"] <= 1e-10, r
+    kept = [r for r in out["invariance"] if "kept" in r["variant"]]
+    for r in kept:
+        print(f"kept prompt graph {r['variant']:>13} P={r['P']} chunk={r['chunk']}: {r['recomputed']} of {r['chunks']} "
+              f"chunks recomputed")
+    assert kept and all(r["recomputed"] == 0 for r in kept if r["variant"] != "kept-partial")
+    assert any(0 < r["recomputed"] < r["chunks"] for r in kept if r["variant"] == "kept-partial")
     for P, mode, chunk, measured, analytic in out["bytes"]:
         print(f"state bytes P={P} {mode} chunk={chunk}: measured {measured} analytic {analytic}")
         assert measured == analytic
