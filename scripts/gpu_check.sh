@@ -13,7 +13,9 @@
 #   5 bench       tools/bench_replay.py at Qwen3.6-27B width, 4 layers, bf16: P=128K detached and
 #                 P=32K exact (R=1K, G=2) -> bench_*.json (tokens/s per phase, peak memory, TFLOP/s
 #                 and the fraction of the H200's dense bf16 peak, 989 TFLOP/s); P=128K detached again
-#                 with recompute, the state in host memory as fp8 (bench_128k_offload.json)
+#                 with recompute, the state in host memory as fp8 (bench_128k_offload.json); the side-by-side
+#                 with transformers (its SDPA and, where installed, fla as its fast paths), bf16, P=16K/64K
+#                 -> vs_transformers.json
 # Usage:
 #   bash scripts/gpu_check.sh [OUT]                  on the CUDA machine (OUT defaults to $OUT, or runs/gpu_check)
 #   bash scripts/gpu_check.sh --cpu-rehearsal [OUT]  every step on the CPU at tiny sizes: tests this script
@@ -104,9 +106,15 @@ if [ "$dev" = cuda ]; then
   step bench_128k_offload $py tools/bench_replay.py $big --prompt-lens 131072 --modes detached \
     --out "$out/bench_128k_offload.json" model.num_layers=4 parallel.tp=1 device=cuda memory.recompute=layer \
     memory.state_offload=true memory.state_dtype=fp8
+  step vs_transformers $py tools/bench_replay.py --vs-transformers --config configs/bench-hybrid-256.yaml \
+    --prompt-lens 16384,65536 --response-lens 1024 --group-sizes 8 --hf-full-copies 1 --out "$out/vs_transformers.json" \
+    device=cuda model.dtype=bfloat16 replay.keep_prompt_graph_mib=16384
 else
   step bench_rehearsal $py tools/bench_replay.py --config $tiny --prompt-lens 512 --response-lens 32 --group-sizes 2 \
     --modes detached,exact --naive-max-prompt 0 --peak-tflops 1 --out "$out/bench_rehearsal.json" device=cpu
+  step vs_transformers_rehearsal $py tools/bench_replay.py --vs-transformers --config configs/bench-hybrid-256.yaml \
+    --prompt-lens 256 --response-lens 16 --group-sizes 2 --out "$out/vs_transformers.json" device=cpu \
+    replay.keep_prompt_graph_mib=64
 fi
 echo "[gpu_check] summary ($out/summary.txt):"
 cat "$out/summary.txt"

@@ -159,6 +159,12 @@ def main(argv=None) -> int:
     from longstraw_mcore.replay.reference import full_sequence_branches
 
     cfg = load_config(a.config, a.overrides)
+    if cfg.resolved_device() == "cpu" and not any(o.startswith("ops.attention=") for o in a.overrides):
+        # FlopCounterMode has no formula for torch's fused CPU attention op (what ops.attention=auto takes
+        # on CPU): the FLOP columns measure the plain twin unless told otherwise
+        cfg = load_config(a.config, [*a.overrides, "ops.attention=plain"])
+        print("(CPU: ops.attention=plain, as FlopCounterMode does not count the fused CPU attention op; pass "
+              "ops.attention=auto to time that op, its FLOP columns then leave the attention out)", flush=True)
     par = setup_parallel(cfg)
     m = cfg.model
     from longstraw_mcore.ops.dispatch import configure

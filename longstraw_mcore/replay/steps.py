@@ -175,10 +175,11 @@ def kept_chunks(core, plan: list[Step], g: GroupInputs, layout: CPLayout | None)
         return set()
     last = max(kinds)
     chunks = [(st.index, st.span) for st in plan if st.phase == "capture"]
+    captured = max((s1 for _, (_, s1) in chunks), default=0)
     kept, used = set(), 0
-    for c, (s0, s1) in reversed(chunks):
-        need = sum(kind_bytes(kinds[n], core.model_cfg, core.tp_size, s1 - s0, n - 1, s1, produce_only=n == last)
-                   for n in kinds)
+    for c, (s0, s1) in reversed(chunks):  # (the planner's estimate: planner/memory.py kept_graph_bytes)
+        need = sum(kind_bytes(kinds[n], core.model_cfg, core.tp_size, s1 - s0, n - 1, captured,
+                              produce_only=n == last) for n in kinds)
         if used + need > budget:
             break
         kept.add(c)
