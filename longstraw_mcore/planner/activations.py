@@ -195,3 +195,25 @@ def kind_bytes(kind, m, tp: int, T: int, layer: int, keys: int = 0, produce_only
     """`layer_bytes` for a layer whose record (`kind`) the caller already holds."""
     kw = {"query_block": query_block} if query_block > 0 else {}
     return kind.activation_bytes(m, tp, T, layer, keys, produce_only, **kw)
+
+
+def kept_graph_bytes(cfg, P: int, saved_for, layers, lt, stage: range) -> int:
+    """Exact mode's capture graphs kept for the sweep (replay.keep_prompt_graph_mib): the last chunks
+    whose saved tensors (`saved_for(tokens)`) fit the budget together, where the kept capture applies
+    (replay/steps.py kept_chunks: one stage, no context parallelism, KV groups or staged state, attention
+    and Gated DeltaNet layers only); 0 elsewhere."""
+    rc, p, m, mem = cfg.replay, cfg.parallel, cfg.model, cfg.memory
+    budget = rc.keep_prompt_graph_mib * 2**20
+    if (rc.mode != "exact" or budget <= 0 or p.pp > 1 or p.cp > 1 or p.tp > getattr(m, "num_key_value_heads", p.tp)
+            or mem.state_offload or mem.state_dtype == "fp8"
+            or (cfg.adapter.enabled and cfg.adapter.prompt == "frozen")
+            or any(layers[lt[i]].state.kind not in ("attention_kv", "gdn_state") for i in stage)):
+        return 0
+    total = 0
+    for s0 in reversed(range(0, max(P - 1, 0), rc.chunk_len)):
+        need = saved_for(min(P - 1, s0 + rc.chunk_len) - s0)
+        if total + need > budget:
+            break
+        total += need
+    return total
+

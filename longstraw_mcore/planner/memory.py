@@ -337,6 +337,8 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
         out["prompt_backward"] = flight * inputs(chunk) + max(sweep_layer(i) for i in stage) + one_grad
     else:
         out["prompt_backward"] = flight * saved(chunk, 0, sweep=True) + one_grad
+    from longstraw_mcore.planner.activations import kept_graph_bytes
+
     kept_graphs = kept_graph_bytes(cfg, P, lambda T: saved(T, 0, sweep=True), layers, lt, stage)
     if kept_graphs:  # replay.keep_prompt_graph_mib: alive from their capture until the sweep frees them
         out["capture"] += kept_graphs
@@ -346,27 +348,6 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     for ph in ("capture", "replay") + (("prompt_backward",) if exact else ()):
         out[ph] += staging
     return out
-
-
-def kept_graph_bytes(cfg, P: int, saved_for, layers, lt, stage: range) -> int:
-    """Exact mode's capture graphs kept for the sweep (replay.keep_prompt_graph_mib): the last chunks
-    whose saved tensors (`saved_for(tokens)`) fit the budget together, where the kept capture applies
-    (replay/steps.py kept_chunks: one stage, no context parallelism, KV groups or staged state, attention
-    and Gated DeltaNet layers only); 0 elsewhere."""
-    rc, p, m, mem = cfg.replay, cfg.parallel, cfg.model, cfg.memory
-    budget = rc.keep_prompt_graph_mib * 2**20
-    if (rc.mode != "exact" or budget <= 0 or p.pp > 1 or p.cp > 1 or p.tp > getattr(m, "num_key_value_heads", p.tp)
-            or mem.state_offload or mem.state_dtype == "fp8"
-            or (cfg.adapter.enabled and cfg.adapter.prompt == "frozen")
-            or any(layers[lt[i]].state.kind not in ("attention_kv", "gdn_state") for i in stage)):
-        return 0
-    total = 0
-    for s0 in reversed(range(0, max(P - 1, 0), rc.chunk_len)):
-        need = saved_for(min(P - 1, s0 + rc.chunk_len) - s0)
-        if total + need > budget:
-            break
-        total += need
-    return total
 
 
 def in_flight(cfg, P: int, G: int, stage: range) -> int:

@@ -177,7 +177,7 @@ def kept_chunks(core, plan: list[Step], g: GroupInputs, layout: CPLayout | None)
     chunks = [(st.index, st.span) for st in plan if st.phase == "capture"]
     captured = max((s1 for _, (_, s1) in chunks), default=0)
     kept, used = set(), 0
-    for c, (s0, s1) in reversed(chunks):  # (the planner's estimate: planner/memory.py kept_graph_bytes)
+    for c, (s0, s1) in reversed(chunks):  # (the planner's estimate: planner/activations.py kept_graph_bytes)
         need = sum(kind_bytes(kinds[n], core.model_cfg, core.tp_size, s1 - s0, n - 1, captured,
                               produce_only=n == last) for n in kinds)
         if used + need > budget:

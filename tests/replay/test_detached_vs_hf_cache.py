@@ -6,7 +6,8 @@ truncated gradient detached mode defines), and the same GRPO loss terms are back
 Harness work-around (no change to the reference's math): the reference's linear-attention cache
 writes the new conv/recurrent state into the cached tensors in place, which autograd rejects once the
 old value is saved in the graph; during branch forwards the two cache-update methods assign the new
-tensor instead of copying into the old one. The reference runs under `LiftFloat32ToFloat64` (its
+tensor instead of copying into the old one (`assigning_linear_cache`, shared with the side-by-side
+bench: longstraw_mcore/bench/vs_transformers.py). The reference runs under `LiftFloat32ToFloat64` (its
 float32 upcasts made float64, see tests/hf_reference.py), so the tolerance is the float64 one.
 """
 
@@ -20,33 +21,12 @@ import torch
 from longstraw_mcore.launch_local import run_ranks
 
 
-@contextlib.contextmanager
-def _assigning_linear_cache():
-    from transformers.cache_utils import LinearAttentionLayer
-
-    orig_conv, orig_rec = LinearAttentionLayer.update_conv_state, LinearAttentionLayer.update_recurrent_state
-
-    def update_conv_state(self, conv_states, state_idx=0, conv_kernel_size=None, **kw):
-        full = torch.cat([self.conv_states[state_idx], conv_states], dim=-1)
-        self.conv_states[state_idx] = full[..., -self.conv_kernel_size[state_idx]:]
-        return full
-
-    def update_recurrent_state(self, recurrent_states, state_idx=0, **kw):
-        self.recurrent_states[state_idx] = recurrent_states
-        return recurrent_states
-
-    LinearAttentionLayer.update_conv_state = update_conv_state
-    LinearAttentionLayer.update_recurrent_state = update_recurrent_state
-    try:
-        yield
-    finally:
-        LinearAttentionLayer.update_conv_state, LinearAttentionLayer.update_recurrent_state = orig_conv, orig_rec
-
-
 def hf_cache_reference(hf, group, loss_fn, lift, prompt_off=contextlib.nullcontext):
     """Per-branch log-probs with autograd against a no-grad prompt cache; backward of each term.
     `prompt_off()`: a context the prompt cache is built inside (adapters switched off, for instance)."""
     from transformers import DynamicCache
+
+    from longstraw_mcore.bench.vs_transformers import assigning_linear_cache
 
     P = len(group.prompt)
     with lift(), torch.no_grad(), prompt_off():
@@ -55,7 +35,7 @@ def hf_cache_reference(hf, group, loss_fn, lift, prompt_off=contextlib.nullconte
     logps = []
     for b, resp in enumerate(group.responses):
         c = copy.deepcopy(cache)
-        with lift(), _assigning_linear_cache():
+        with lift(), assigning_linear_cache():
             logits = hf(input_ids=torch.tensor([[group.prompt[-1]] + resp[:-1]]), past_key_values=c,
                         use_cache=True).logits[0]
         logp = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(resp)[:, None])[:, 0]
