@@ -94,26 +94,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int
 
     q_dec = q * G.exp()[..., None]
     intra = (q @ k.transpose(-1, -2)) * D                                # [B,H,n,C,C]
-    # The sequential part is the state; its per-chunk operands come from unbind (one backward node that
-    # stacks every chunk's gradient) rather than indexing, whose backward writes each chunk's gradient
-    # into a zero tensor of the whole sequence: quadratic in the chunks. With autograd the loop carries
-    # the state alone (two matmuls per chunk) and the outputs read every chunk's entering state in one
-    # batched product afterwards (a shorter graph); without it each chunk's output is written in place.
-    steps = zip(U0.unbind(2), W.unbind(2), chunk_decay.unbind(2), k_dec.unbind(2))
-    if torch.is_grad_enabled():
-        entering, corrections = [], []
-        for u0, w, decay, kd in steps:
-            entering.append(S)
-            u = u0 - w @ S
-            corrections.append(u)
-            S = S * decay + kd @ u
-        o = q_dec @ torch.stack(entering, 2) + intra @ torch.stack(corrections, 2)
-    else:
-        o = torch.empty_like(U0)
-        for i, (u0, w, decay, kd) in enumerate(steps):
-            u = u0 - w @ S
-            o[:, :, i] = q_dec[:, :, i] @ S + intra[:, :, i] @ u
-            S = S * decay + kd @ u
+    # The sequential part: per chunk, the correction U, the output and the state. Its operands come from
+    # unbind (one backward node that stacks every chunk's gradient) rather than indexing, whose backward
+    # writes each chunk's gradient into a zero tensor of the whole sequence: quadratic in the chunks.
+    outs = []
+    for u0, w, decay, kd, qd, it in zip(U0.unbind(2), W.unbind(2), chunk_decay.unbind(2), k_dec.unbind(2),
+                                        q_dec.unbind(2), intra.unbind(2)):
+        u = u0 - w @ S
+        outs.append(qd @ S + it @ u)
+        S = S * decay + kd @ u
+    o = torch.stack(outs, 2)
     o = o.reshape(B, H, n * C, Vd)[:, :, :T]
     return o.transpose(1, 2).to(out_dtype), S
 

@@ -120,15 +120,13 @@ class GatedDeltaNetFlops:
         conv_bwd = conv_fwd * ch + conv_fwd  # FlopCounterMode: depthwise input-grad counted as dense
         solve = n * 2 * hv * (C * C * V + C * C * K)
         state_mm = 2 * hv * C * K * V  # one of W S, (Q e^G) S, (K e^{G_C-G})^T U for one chunk
-        # a constant entering state S_0: no gradient through W_0 S_0; the outputs' (Q e^G) S_in reads every
-        # chunk's entering state in one product, which skips it only when S_in is S_0 alone (one chunk)
-        skip_out = state_mm if n == 1 and not init_grad else 0
-        unneeded = ((0 if init_grad else state_mm) + skip_out + (0 if final_grad else 2 * state_mm)) if n else 0
+        unneeded = (0 if init_grad else 2 * state_mm) + (0 if final_grad else 2 * state_mm) if n else 0
         full = 2 * (self._fwd(m, tp, tokens) - conv_fwd) + conv_bwd + solve - unneeded
         if not output_unused:
             return full
-        # output path: both operands of its three output matmuls in every chunk, less what was left out above
-        return full - (n * 2 * (state_mm + 2 * hv * C * C * (V + K)) - skip_out)
+        # output path: both operands of its three output matmuls in every chunk, less the entering-state
+        # gradient of (Q e^G) S already left out above
+        return full - (n * 2 * (state_mm + 2 * hv * C * C * (V + K)) - (0 if init_grad or not n else state_mm))
 
     def capture(self, m, tp, layer, chunks, kind, last=False):
         W, pruned = self._weights(m, tp)
