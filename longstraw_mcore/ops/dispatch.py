@@ -5,10 +5,10 @@ run's choice (`ops.*` in a run config, applied by `configure`):
                 CUDA for bf16 / fp16 with head dim <= 256, the plain-torch twin (ops/block_attention.py)
                 otherwise; plain: the twin everywhere; flash: flash, and an error where it cannot run
                 (comparisons must not silently measure the twin). On CPU flash is torch's fused CPU op
-                for every float dtype (bf16 / fp16 run in float32): opt-in for now, because sampling
-                under context parallelism (tests/replay/test_sampler.py, cp=2) draws other tokens with
-                it than one rank does, although every partial it returns there equals the twin's
-                (checked call by call): not yet explained, so auto keeps the twin on CPU
+                for every float dtype (bf16 / fp16 run in float32), opt-in for now: the planner's CPU
+                memory model and its check against measurement (tools/plan_vs_measured.py) describe the
+                twin's score blocks, and the CPU suite runs the twin; tests/unit/test_flash_adapter.py
+                and test_block_attention.py hold the op to the twin
     gdn         auto: flash-linear-attention (ops/fla_gdn.py) for CUDA bf16 / fp16 where fla is installed
                 (the `gpu` extra), the plain chunked rule otherwise; plain / fla force one
 

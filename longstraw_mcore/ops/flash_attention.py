@@ -166,8 +166,8 @@ def partial_forward(q, k, v, q_start: int, k_start: int, scale: float, block: in
                                                  l.masked_fill(empty, float("-inf"))))
     for (q0, q1), parts in by_rows.items():
         out[:, :, q0:q1], lse[:, :, q0:q1] = merge_partials(parts, None, work, q.device)
-    if fold:
-        out, lse = out.reshape(Hq, B, T, -1).transpose(0, 1), _lse_unfold(lse, B)
+    if fold:  # (contiguous, as the twin's: callers reduce them across ranks, and collectives need it)
+        out, lse = out.reshape(Hq, B, T, -1).transpose(0, 1).contiguous(), _lse_unfold(lse, B).contiguous()
     return out, lse, None
 
 
@@ -211,7 +211,7 @@ def partial_backward(q, k, v, do, delta, lse, q_start: int, k_start: int, scale:
         gk[:, k0:k1] += b
         gv[:, k0:k1] += e
     if need_q:
-        dq = gq.reshape(B, T, Hq, D).to(work).transpose(1, 2)
+        dq = gq.reshape(B, T, Hq, D).to(work).transpose(1, 2).contiguous()
     gk, gv = gk.to(work), gv.to(work)                                      # [B or 1, S', Hk, *]
     if Bk == 1 and gk.shape[0] > 1:
         gk, gv = gk.sum(0, keepdim=True), gv.sum(0, keepdim=True)
