@@ -148,9 +148,15 @@ def _layout_worker(rank, world_size, tmp):
 
     from longstraw_mcore.checkpoint.full_state import gather_full, load_full
 
+    from longstraw_mcore.ops import dispatch
+
     out, full = {}, None
-    for name, layout in (("tp1", []), ("tp2", ["parallel.tp=2"]), ("cp2", ["parallel.cp=2"]), ("pp2", ["parallel.pp=2"])):
+    # "cp2 fused": the fused CPU attention op (ops.attention=flash), whose folded-batch partials once reached
+    # the context-parallel merge's collectives as transposed views and drew other tokens
+    for name, layout in (("tp1", []), ("tp2", ["parallel.tp=2"]), ("cp2", ["parallel.cp=2"]), ("pp2", ["parallel.pp=2"]),
+                         ("cp2 fused", ["parallel.cp=2", "ops.attention=flash"])):
         cfg, model = _model("qwen3.6-tiny.yaml", layout + ["replay.chunk_len=16"])
+        dispatch.configure(cfg.ops)
         if full is None:
             full = gather_full(model)  # every layout gets TP1's weights (PP stages would initialize their own)
         else:
@@ -163,6 +169,7 @@ def _layout_worker(rank, world_size, tmp):
         t = sample_group(model, prompt, dataclasses.replace(hot, group_size=1, branch_at=[2, 4], branch_k=2),
                          cfg.replay, index=1)
         out[name + " tree"] = (t.responses, t.logprobs)
+    dispatch.configure(cfg.ops.__class__())
     # on-policy training at PP=2: the stages sample together, held-out reward is reduced over data parallel
     from longstraw_mcore.cli import main
 
@@ -184,7 +191,7 @@ def test_tp2_cp2_and_pp2_sample_the_same_tokens_as_tp1(tmp_path):
     assert [m["step"] for m in online] == [0, 1, 2] and 0.0 <= online[2]["heldout_reward"] <= 1.0
     assert all(m["groups"] == 2 and 24 * 2 <= m["prompt_tokens"] <= 32 * 2 for m in online[1:])  # curriculum start
     for rank, out in enumerate(outs):
-        assert set(out) == {x + t for x in ("tp1", "tp2", "cp2", "pp2") for t in ("", " tree")}
+        assert set(out) == {x + t for x in ("tp1", "tp2", "cp2", "pp2", "cp2 fused") for t in ("", " tree")}
         for name, (tokens, lp) in out.items():
             ref_tokens, ref_lp = outs[0]["tp1 tree" if name.endswith("tree") else "tp1"]
             assert tokens == ref_tokens, (rank, name)
