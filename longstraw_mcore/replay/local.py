@@ -27,7 +27,7 @@ def execute_local(model, plan: list[Step], g: S.GroupInputs, state: PromptState,
     seconds: dict[str, float] = {}
     results: dict[int, S.BranchResult] = {}
     keep = g.cfg.mode == "exact"
-    kept = S.kept_chunks(core, plan, g, layout)  # (exact mode: captured with their graphs for the sweep)
+    kept = S.kept_chunks(core, state, plan, g, layout)  # (exact mode: captured with their graphs for the sweep)
     path = SegmentPath()
     watch = g.watch
     for step in plan:

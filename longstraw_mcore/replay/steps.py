@@ -158,7 +158,7 @@ def capture_chunk(core, state: PromptState, step: Step, g: GroupInputs, layout: 
     return out
 
 
-def kept_chunks(core, plan: list[Step], g: GroupInputs, layout: CPLayout | None) -> set[int]:
+def kept_chunks(core, state: PromptState, plan: list[Step], g: GroupInputs, layout: CPLayout | None) -> set[int]:
     """Exact mode's capture chunks captured with autograd and their graphs kept for the sweep
     (replay.keep_prompt_graph_mib): the last ones whose saved tensors, by the planner's estimate
     (planner/activations.py, the model's last layer only as far as its state), fit the budget together.
@@ -166,7 +166,8 @@ def kept_chunks(core, plan: list[Step], g: GroupInputs, layout: CPLayout | None)
     state (memory.state_offload, state_dtype=fp8), layers other than attention and Gated DeltaNet."""
     budget = g.cfg.keep_prompt_graph_mib * 2**20
     if (g.cfg.mode != "exact" or budget <= 0 or g.loss_fn is None or layout is not None or core.kv_group is not None
-            or core.pg_collection.pp.size() > 1 or prompt_is_frozen(core)):
+            or core.pg_collection.pp.size() > 1 or prompt_is_frozen(core)
+            or any(st.home for st in state.layers.values())):  # (staged: memory/staging.py place)
         return set()
     from longstraw_mcore.planner.activations import kind_bytes
 
