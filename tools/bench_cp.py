@@ -7,10 +7,12 @@ attention, and every collective (count, bytes, seconds), at CP=1 and CP=n on loc
 
 What it shows: under CP every rank runs the GDN core on the whole chunk for 1/n of the heads at the
 same time as the others (no rank waits for another's recurrent state), so each rank's GDN seconds
-are about 1/n of the single rank's; the collectives are all-gathers (tokens to heads and back, the
-chunk's Q/K/V) and all-reduces (the log-sum-exp merge), whose bytes per chunk depend on the chunk,
-not on the prompt length. On a 2-core CPU the n ranks share the cores: compare seconds of compute
-per rank, not the wall time. Prints a table, writes JSON.
+are about 1/n of the single rank's; the collectives are all-to-alls (tokens to heads and back),
+all-gathers (the chunk's Q/K/V) and all-reduces (the log-sum-exp merge), whose bytes per chunk
+depend on the chunk, not on the prompt length. Bytes are what a rank receives from the others (`received`: the wire
+traffic; an all-to-all head exchange receives 1/n of what an all-gather of the tokens would). On a
+2-core CPU the n ranks share the cores: compare seconds of compute per rank, not the wall time.
+Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -51,10 +53,24 @@ def _worker(rank, world_size, config, overrides, P, chunk, cp):
                 clock[name] += time.perf_counter() - t
         return call
 
+    def received(name, a, k) -> int:
+        """Bytes this rank receives from the others (what crosses the wire to it): an all-gather n-1
+        shares, an all-to-all what the others send here, a ring all-reduce 2(n-1)/n of the tensor, a
+        reduce-scatter (n-1)/n of its input."""
+        group = k.get("group")
+        n = dist.get_world_size(group)
+        size = lambda t: t.numel() * t.element_size()  # noqa: E731
+        if name == "all_to_all_single":
+            recv, sizes = a[0], a[2]
+            own = sizes[dist.get_rank(group)] if sizes else recv.numel() // n
+            return (recv.numel() - own) * recv.element_size()
+        x = a[1] if name != "all_reduce" else a[0]
+        return {"all_gather": (n - 1) * size(x), "all_gather_into_tensor": (n - 1) * size(x),
+                "all_reduce": 2 * (n - 1) * size(x) // n, "reduce_scatter_tensor": (n - 1) * size(x) // n}[name]
+
     def counted(name, fn):
         def call(*a, **k):
-            tensors = [x for x in a if isinstance(x, torch.Tensor)]  # the last one is the input sent
-            nbytes = tensors[-1].numel() * tensors[-1].element_size() if tensors else 0
+            nbytes = received(name, a, k)
             t = time.perf_counter()
             out = fn(*a, **k)
             rec = comm.setdefault(name, [0, 0, 0.0])
@@ -67,7 +83,7 @@ def _worker(rank, world_size, config, overrides, P, chunk, cp):
     gated_deltanet.GatedDeltaNetMixer._core = timed("gdn_core", gated_deltanet.GatedDeltaNetMixer._core)
     cp_attention.chunk_attention = timed("attention", cp_attention.chunk_attention)  # CP > 1
     hooks.attention = timed("attention", hooks.attention)                            # CP = 1
-    for name in ("all_gather", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+    for name in ("all_gather", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
         setattr(dist, name, counted(name, getattr(dist, name)))
     prompt = torch.randint(0, cfg.model.vocab_size, (1, P - 1), generator=torch.Generator().manual_seed(0))
     from longstraw_mcore.bench.memory import measure_memory

@@ -142,10 +142,5 @@ class Qwen35Config(ModelBase):
         p.stage_layers(self.num_layers)
         if p.ep != 1:
             raise ConfigError(f"parallel.ep={p.ep}: the {self.family} family has no experts; use parallel.ep=1")
-        if p.cp > 1:  # Gated DeltaNet runs on 1/(tp*cp) of its heads during capture (prompt_state/contexts.py)
-            for name, v in (("model.linear_num_key_heads", self.linear_num_key_heads),
-                            ("model.linear_num_value_heads", self.linear_num_value_heads)):
-                if v % (tp * p.cp):
-                    valid = [c for c in range(1, v // tp + 1) if (v // tp) % c == 0]
-                    raise ConfigError(f"{name}={v} is not divisible by parallel.tp*parallel.cp={tp}*{p.cp}; context "
-                                      f"parallel sizes that divide it at tp={tp}: {valid}")
+        # context parallel: Gated DeltaNet by head shards where the key heads split over tp*cp, by
+        # sequence pieces otherwise (parallel/cp.py gdn_by_heads); any cp fits

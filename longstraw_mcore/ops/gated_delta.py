@@ -120,6 +120,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     if conv_state is None:
         conv_state = xt.new_zeros(B, Ch, W - 1)
     full = torch.cat([conv_state.to(xt.dtype), xt], dim=-1)              # [B, Ch, W-1+T]
+    if T == 0:  # (an empty sequence-parallel piece: conv1d refuses an input shorter than its kernel)
+        return x.new_zeros(B, 0, Ch), full
     y = F.conv1d(full, weight.unsqueeze(1).to(xt.dtype), groups=Ch)       # [B, Ch, T]
     new_state = full[..., full.shape[-1] - (W - 1):]
     return y.transpose(1, 2), new_state

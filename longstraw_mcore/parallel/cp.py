@@ -65,3 +65,10 @@ def gather_order(T: int, cp: int) -> torch.Tensor:
     """Positions of the tokens in rank order (rank 0's local tokens, then rank 1's, ...): the inverse of
     this permutation puts gathered tokens back in sequence order."""
     return torch.tensor([i for r in range(cp) for i in local_positions(T, cp, r)], dtype=torch.long)
+
+
+def gdn_by_heads(n_k_heads: int, cp: int) -> bool:
+    """Whether a Gated DeltaNet layer with `n_k_heads` key heads on this TP rank runs context parallel
+    by head shards (parallel/cp_comm.py: each rank the whole chunk for 1/cp of the heads) rather than
+    by sequence pieces (parallel/cp_gdn.py: any head count)."""
+    return n_k_heads % cp == 0

@@ -10,12 +10,17 @@ largest and trim.
     HeadsToSeq(x_heads)   (autograd)  -> this rank's tokens, all heads
     merge_ranks(O_r, lse_r)           -> the softmax over every rank's keys, on every rank (no autograd)
 SeqToHeads and HeadsToSeq are each other's backward: a gradient with respect to a head shard of the
-whole chunk goes back to the tokens' owners for every head, and vice versa. Both use all-gathers
-(the padded token gather, and an all-gather over the head dimension); an all-to-all would move 1/n
-of those bytes and is the obvious optimisation for a GPU build (the interface does not change).
+whole chunk goes back to the tokens' owners for every head, and vice versa. Each is one all-to-all
+(`seq_to_heads`, `heads_to_seq`): rank r sends rank j only what j keeps (its tokens of j's heads, or
+j's tokens of its heads), so a rank receives (n-1)/n of its own share, where an all-gather of the
+tokens (every head) and a cut to its heads received n-1 shares and dropped most of them: 1/n of the
+bytes (tools/bench_cp.py counts both directions). Ranks' token counts may differ: the split sizes
+say so (no padding).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -66,6 +71,39 @@ def own_heads(x: torch.Tensor, layout: CPLayout) -> torch.Tensor:
     return x[:, :, layout.rank * h:(layout.rank + 1) * h]
 
 
+def _exchange(parts: list[torch.Tensor], recv_shapes: list[tuple], layout: CPLayout) -> list[torch.Tensor]:
+    """One all-to-all: parts[j] goes to rank j; returns what each rank i sent here, shaped recv_shapes[i]."""
+    send = torch.cat([p.reshape(-1) for p in parts])
+    sizes = [math.prod(s) for s in recv_shapes]
+    recv = send.new_empty(sum(sizes))
+    dist.all_to_all_single(recv, send, sizes, [p.numel() for p in parts], group=layout.group)
+    return [c.view(s) for c, s in zip(recv.split(sizes), recv_shapes)]
+
+
+def seq_to_heads(x: torch.Tensor, layout: CPLayout, T: int) -> torch.Tensor:
+    """[B, S_r, H, ...] this rank's tokens -> [B, T, H/n, ...] the chunk in sequence order, this rank's
+    heads (one all-to-all)."""
+    n, h = layout.size, x.shape[2] // layout.size
+    parts = [x[:, :, j * h:(j + 1) * h] for j in range(n)]
+    rest = (x.shape[0],), (h, *x.shape[3:])
+    got = _exchange(parts, [(*rest[0], local_count(T, n, i), *rest[1]) for i in range(n)], layout)
+    ranked = torch.cat(got, 1)                                              # rank order
+    out = torch.empty_like(ranked)
+    out[:, gather_order(T, n).to(x.device)] = ranked
+    return out
+
+
+def heads_to_seq(x: torch.Tensor, layout: CPLayout, T: int) -> torch.Tensor:
+    """[B, T, H/n, ...] the chunk, this rank's heads -> [B, S_r, H, ...] this rank's tokens, all heads
+    (one all-to-all)."""
+    n = layout.size
+    parts = [x.index_select(1, torch.tensor(local_positions(T, n, j), dtype=torch.long, device=x.device))
+             for j in range(n)]
+    S_r = local_count(T, n, layout.rank)
+    got = _exchange(parts, [(x.shape[0], S_r, *x.shape[2:])] * n, layout)
+    return torch.cat(got, 2)
+
+
 class SeqToHeads(torch.autograd.Function):
     """[B, S_r, H, ...] local tokens -> [B, T, H/n, ...]: the whole chunk, this rank's heads."""
 
@@ -73,11 +111,11 @@ class SeqToHeads(torch.autograd.Function):
     def forward(ctx, x, layout: CPLayout, T: int):
         assert x.shape[2] % layout.size == 0, (x.shape, layout.size)
         ctx.layout, ctx.T = layout, T
-        return own_heads(gather_tokens(x, layout, T), layout).contiguous()
+        return seq_to_heads(x, layout, T)
 
     @staticmethod
     def backward(ctx, g):
-        return local_rows(gather_dim(g, ctx.layout), ctx.layout, ctx.T), None, None
+        return heads_to_seq(g, ctx.layout, ctx.T), None, None
 
 
 class HeadsToSeq(torch.autograd.Function):
@@ -86,11 +124,11 @@ class HeadsToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, layout: CPLayout, T: int):
         ctx.layout, ctx.T = layout, T
-        return local_rows(gather_dim(x, layout), layout, T)
+        return heads_to_seq(x, layout, T)
 
     @staticmethod
     def backward(ctx, g):
-        return own_heads(gather_tokens(g, ctx.layout, ctx.T), ctx.layout).contiguous(), None, None
+        return seq_to_heads(g, ctx.layout, ctx.T), None, None
 
 
 def merge_ranks(o, lse, layout):

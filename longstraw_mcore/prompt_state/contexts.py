@@ -22,7 +22,9 @@ With context parallelism (`layout`: parallel/cp.py) a capture or recompute chunk
 zig-zag pieces of the chunk, its positions are those pieces', attention is
 `parallel.cp_attention.chunk_attention` (this rank's shard of the earlier state, the chunk's keys
 gathered) and the GDN core runs on the whole chunk for this rank's 1/n of the heads
-(`SeqToHeads` / `HeadsToSeq`), from and to a head-sharded state. A replayed branch is whole on every
+(`SeqToHeads` / `HeadsToSeq`), from and to a head-sharded state, or, where the key heads do not split
+over CP (`parallel.cp.gdn_by_heads`), on this rank's pieces by an affine scan over the ranks
+(`parallel.cp_gdn.sequence_recurrent`), from and to the whole state. A replayed branch is whole on every
 rank: its attention is `replay_attention` (this rank's prompt shard, the branch's own keys counted
 once), its GDN core reads the full final state. MLA + DSA over a sequence-sharded latent (context
 parallelism, or the TP group's stripes) is `parallel.cp_dsa.attend_latent_sharded`: a chunk's queries
@@ -32,15 +34,16 @@ n and what the sweep deposits into state gradients by 1/n: the recomputed chunk'
 gradients are partial per rank (each rank recomputes 1/n of the tokens) while the replay's are
 replicated, and Megatron DDP averages over data x context parallel ranks.
 
-Why Gated DeltaNet goes to head shards rather than a scan over ranks (LASP-2). The chunk update is
+Why Gated DeltaNet goes to head shards where heads suffice rather than a scan over ranks (LASP-2). The chunk update is
 affine in the entering state, S_out = A S_in + B (A, B per head: Dk x Dk and Dk x Dv), so ranks could
 compute (A, B) of their pieces, scan them, and redo their pieces from the corrected entering state:
 it moves only H (Dk^2 + Dk Dv) numbers per piece, but costs every rank about three GDN passes over its
 tokens (A needs the delta rule run on an identity state, then the corrected pass) and a backward
-through the scan for exact mode. The head exchange moves the chunk's GDN activations (here by
-all-gathers: about T (2 h Dk + Hv Dv + 2 Hv) values in and T Hv Dv out per layer and chunk, 1/n of
-that with an all-to-all) but each rank then does exactly 1/n of the single-rank GDN work, no more,
-with nothing serialised, and its backward is the same exchange reversed. Measured on this CPU
+through the scan for exact mode. The head exchange moves the chunk's GDN activations (one
+all-to-all each way, parallel/cp_comm.py: a rank receives about (n-1)/n^2 T (2 h Dk + Hv Dv + 2 Hv)
+values in and (n-1)/n^2 T Hv Dv out per layer and chunk) but each rank then does exactly 1/n of
+the single-rank GDN work, no more, with nothing serialised, and its backward is the same exchange
+reversed. Measured on this CPU
 (tools/bench_cp.py, 8-layer model of 256 hidden, 16 value heads, P=4096/16384, CP=2): each rank's
 GDN seconds are 0.54-0.72 of the single rank's, run at the same time as the other rank's, and all
 collectives together carry 162 / 647 MiB per capture; LASP-2's extra GDN compute would exceed what a
@@ -102,15 +105,19 @@ class _ChunkBase(_Base):
         return chunk_attention(q, own.k, own.v, prior[0] if prior else None, self.span[0], self.T, self.layout,
                                block=block)
 
-    def recurrent(self, n: int, core, inputs: tuple, n_k_heads: int):
+    def recurrent(self, n: int, core, inputs: tuple, n_k_heads: int, conv_width: int):
         if self.layout is None:
-            return super().recurrent(n, core, inputs, n_k_heads)
+            return super().recurrent(n, core, inputs, n_k_heads, conv_width)
+        from longstraw_mcore.parallel.cp import gdn_by_heads
         from longstraw_mcore.parallel.cp_comm import HeadsToSeq, SeqToHeads
 
         L = self.layout
-        if n_k_heads % L.size:
-            raise ValueError(f"{n_k_heads} Gated DeltaNet key heads per tensor-parallel rank do not split over "
-                             f"{L.size} context-parallel ranks")
+        if not gdn_by_heads(n_k_heads, L.size):  # by sequence pieces: parallel/cp_gdn.py
+            from longstraw_mcore.parallel.cp_gdn import sequence_recurrent
+
+            out, new = sequence_recurrent(core, inputs, self.read(n), L, self.T, n_k_heads, conv_width)
+            self.write(n, new)
+            return out
         h = n_k_heads // L.size
         whole = [SeqToHeads.apply(x, L, self.T) for x in inputs]
         out, new = core(*whole, heads=(L.rank * h, (L.rank + 1) * h), state=self.read(n))

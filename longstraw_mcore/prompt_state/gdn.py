@@ -55,6 +55,14 @@ def _own_heads(st: GDNState, layout, channels) -> GDNState:
     return GDNState(conv=conv.contiguous(), recurrent=st.recurrent.chunk(n, 1)[r].contiguous())
 
 
+def _cp_sum(x: torch.Tensor, layout) -> torch.Tensor:
+    import torch.distributed as dist
+
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=layout.group)
+    return x
+
+
 def _grads_or_zeros(leaf: GDNState) -> GDNState:
     return GDNState(conv=leaf.conv.grad if leaf.conv.grad is not None else torch.zeros_like(leaf.conv),
                     recurrent=leaf.recurrent.grad if leaf.recurrent.grad is not None else torch.zeros_like(leaf.recurrent))
@@ -68,7 +76,8 @@ class GDNRecurrentState(LayerState):
         hk = m.linear_num_key_heads // tp
         self.channels = (hk * m.linear_key_head_dim, hk * m.linear_key_head_dim,
                          (m.linear_num_value_heads // tp) * m.linear_value_head_dim)   # conv window: q | k | v
-        self.layout = None                       # context parallel: capture states are head shards
+        self.hk = hk
+        self.layout = None                       # context parallel: capture states are head shards (by heads)
         self.deposit_scale = 1.0
         self.current: GDNState | None = None     # after the positions captured so far
         self.boundaries: list = []               # exact mode: the state entering chunk c (None for c = 0)
@@ -87,11 +96,18 @@ class GDNRecurrentState(LayerState):
     def capture_write(self, new: GDNState) -> None:
         self.current = GDNState(conv=own_storage(new.conv), recurrent=own_storage(new.recurrent))
 
+    def _by_heads(self) -> bool:
+        """Context parallel by head shards (else by sequence pieces: whole states on every rank)."""
+        from longstraw_mcore.parallel.cp import gdn_by_heads
+
+        return self.layout is not None and gdn_by_heads(self.hk, self.layout.size)
+
     def finish_capture(self, layout) -> None:
-        """Context parallel: the capture ran on this rank's 1/n of the heads; every rank gets the whole
-        final state (replay runs all heads on every rank). The chunk boundaries stay head shards."""
+        """Context parallel by heads: the capture ran on this rank's 1/n of the heads; every rank gets
+        the whole final state (replay runs all heads on every rank). The chunk boundaries stay head
+        shards. By sequence pieces (parallel/cp_gdn.py) every state is already whole."""
         self.layout = layout
-        if layout is not None and self.current is not None:
+        if self._by_heads() and self.current is not None:
             self.current = _gather_heads(self.current, layout, self.channels)
 
     # --- replay ------------------------------------------------------------------------------------
@@ -130,12 +146,21 @@ class GDNRecurrentState(LayerState):
         """The gradient of the state chunk `chunk` leaves: the replays' (last chunk) or what chunk
         c+1's recompute deposited into its entering leaves, scaled as its seeds were (context
         parallel: see contexts.py). Complete once those backwards ran on this stage."""
-        if chunk == len(self.boundaries) - 1:
-            carried = _grads_or_zeros(self.leaves)
+        last = chunk == len(self.boundaries) - 1
+        carried = _grads_or_zeros(self.leaves if last else self.entry[chunk + 1])
+        if self.layout is not None and not self._by_heads():
+            # by sequence pieces the states are replicated: the entering state's gradient is partial
+            # per rank (summed here), and the leaving state is seeded at 1/n per rank, since every
+            # rank's scan adds to the pieces it gathered (parallel/cp_gdn.py)
+            n = self.layout.size
+            if not last:
+                carried = GDNState(conv=_cp_sum(carried.conv, self.layout), recurrent=_cp_sum(carried.recurrent, self.layout))
+            scale = (1.0 if last else self.deposit_scale) / n
+            return [carried.conv * scale, carried.recurrent * scale]
+        if last:
             if self.layout is not None:
                 carried = _own_heads(carried, self.layout, self.channels)
             return [carried.conv, carried.recurrent]
-        carried = _grads_or_zeros(self.entry[chunk + 1])
         if self.deposit_scale != 1.0:
             carried = GDNState(conv=carried.conv * self.deposit_scale, recurrent=carried.recurrent * self.deposit_scale)
         return [carried.conv, carried.recurrent]
@@ -167,12 +192,15 @@ class GDNRecurrentState(LayerState):
 
     @classmethod
     def analytic_bytes(cls, m, tp: int, captured: int, exact_chunks: int, batch: int = 1, cp: int = 1) -> dict[str, int]:
-        """The final state is whole on every rank; under context parallelism the chunk boundaries are
-        head shards (1/cp each)."""
+        """The final state is whole on every rank; under context parallelism by heads the chunk
+        boundaries are head shards (1/cp each), by sequence pieces whole."""
+        from longstraw_mcore.parallel.cp import gdn_by_heads
+
         conv, rec = cls._elements(m, tp)
         per = (conv * element_size(m.torch_dtype) + rec * element_size(m.state_dtype)) * batch
+        shards = cp if gdn_by_heads(m.linear_num_key_heads // tp, cp) else 1
         return {"gdn_state": per if captured > 0 else 0,
-                "gdn_chunk_boundaries": per // cp * max(exact_chunks - 1, 0)}
+                "gdn_chunk_boundaries": per // shards * max(exact_chunks - 1, 0)}
 
     @classmethod
     def analytic_grad_bytes(cls, m, tp: int, captured: int) -> int:

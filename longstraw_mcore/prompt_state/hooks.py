@@ -13,11 +13,12 @@ context and tensor parallelism) override them, and `StateContext` below keeps ea
                                                            own positions (the context keeps what it must)
                     attend(q, key_sets, q_start, block, kv)  the attention over them (`kv`: the layer's KV
                                                            group when TP exceeds the KV heads)
-    Gated DeltaNet  recurrent(layer, core, inputs, hk)     the mixer's sequence core (conv + delta rule
-                                                           over a head range, from an entering state to
-                                                           a leaving one) on the call's tokens; by default
-                                                           through read(layer) -> state entering the call
-                                                           (None: start of sequence) and write(layer, state)
+    Gated DeltaNet  recurrent(layer, core, inputs, hk, W)  the mixer's sequence core (conv of width W +
+                                                           delta rule over a head range, from an entering
+                                                           state to a leaving one) on the call's tokens; by
+                                                           default through read(layer) -> state entering
+                                                           the call (None: start of sequence) and
+                                                           write(layer, state)
     MLA + DSA       latent(layer, own) -> MLAKeys          the latents its queries may see, given its own
                     attend_latent(query, keys, own, tp, kv)  the sparse attention over them: (out, selection)
 
@@ -119,7 +120,7 @@ class StateHooks:
     def write(self, layer_number: int, state) -> None:
         pass
 
-    def recurrent(self, layer_number: int, core, inputs: tuple, n_k_heads: int):
+    def recurrent(self, layer_number: int, core, inputs: tuple, n_k_heads: int, conv_width: int):
         out, new = core(*inputs, heads=(0, n_k_heads), state=self.read(layer_number))
         self.write(layer_number, new)
         return out

@@ -30,6 +30,7 @@ from longstraw_mcore.models.mixers.common import full_then_shard, sharded_state_
 from longstraw_mcore.models.norms import GatedRMSNorm
 from longstraw_mcore.ops.dispatch import gdn_kernel
 from longstraw_mcore.ops.gated_delta import causal_conv1d
+from longstraw_mcore.ops.gdn_pieces import piece_maps
 from longstraw_mcore.prompt_state.hooks import NO_STATE, GDNState
 
 
@@ -89,11 +90,13 @@ class GatedDeltaNetMixer(MegatronModule):
                                             init_method=config.output_layer_init_method, bias=False,
                                             input_is_parallel=True, skip_bias_add=True, tp_group=self.tp_group)
 
-    def _core(self, q, k, v, b, a, heads: tuple[int, int], state: GDNState | None):
+    def _core(self, q, k, v, b, a, heads: tuple[int, int], state: GDNState | None, window=None):
         """Conv + gated delta rule of q/k heads [h0, h1) (of this TP rank's) and the value heads they
         serve, from `state` to the returned one. q, k [B, T, h, Dk] and v [B, T, h*r, Dv] pre-conv,
         b, a [B, T, h*r]. State conv window [B, Ch_h, W-1] with channels [q | k | v] of those heads.
-        Returns (o [B, T, h*r, Dv] in the state dtype, new state)."""
+        Returns (o [B, T, h*r, Dv] in the state dtype, new state). With `window` (a conv window as
+        above; sequence-parallel context parallelism, parallel/cp_gdn.py) the tokens are a piece whose
+        entering recurrent state is not known yet: returns (its ops/gdn_pieces.PieceMaps, None)."""
         h0, h1 = heads
         r = self.hv // self.hk
         B, T = q.shape[:2]
@@ -101,7 +104,10 @@ class GatedDeltaNetMixer(MegatronModule):
         mixed = torch.cat([q.reshape(B, T, nq), k.reshape(B, T, nq), v.reshape(B, T, nv)], dim=-1)
         conv_w = torch.cat([self.conv_q[h0 * self.dk:h1 * self.dk], self.conv_k[h0 * self.dk:h1 * self.dk],
                             self.conv_v[h0 * r * self.dv:h1 * r * self.dv]], dim=0)          # [Ch_h, W]
-        mixed, conv_state = causal_conv1d(mixed, conv_w, state.conv if state is not None else None)
+        piece = window is not None
+        if not piece:
+            window = state.conv if state is not None else None
+        mixed, conv_state = causal_conv1d(mixed, conv_w, window)
         mixed = F.silu(mixed)
         q, k, v = torch.split(mixed, [nq, nq, nv], dim=-1)
         q = q.reshape(B, T, h1 - h0, self.dk)
@@ -111,6 +117,8 @@ class GatedDeltaNetMixer(MegatronModule):
         A_log, dt_bias = self.A_log[h0 * r:h1 * r], self.dt_bias[h0 * r:h1 * r]
         beta = torch.sigmoid(b.to(sd))                                            # [B, T, h*r]
         g = -A_log.to(sd).exp() * F.softplus(a.to(sd) + dt_bias.to(sd))
+        if piece:
+            return piece_maps(q, k, v, g, beta, chunk_size=self.chunk_size, state_dtype=sd), None
         o, rec = gdn_kernel(v).chunk_gated_delta_rule(q, k, v, g, beta,
                                                       state.recurrent if state is not None else None,
                                                       chunk_size=self.chunk_size, state_dtype=sd)
@@ -127,7 +135,7 @@ class GatedDeltaNetMixer(MegatronModule):
         a, _ = self.in_proj_a(hidden_states)
         inputs = (q.transpose(0, 1).reshape(B, T, self.hk, self.dk), k.transpose(0, 1).reshape(B, T, self.hk, self.dk),
                   v.transpose(0, 1).reshape(B, T, self.hv, self.dv), b.transpose(0, 1), a.transpose(0, 1))
-        return ctx.recurrent(self.layer_number, self._core, inputs, self.hk)
+        return ctx.recurrent(self.layer_number, self._core, inputs, self.hk, self.conv_width)
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, **kwargs):
         """hidden_states [T, B, Hd] -> (out [T, B, Hd], None). Reads/writes `GDNState` via the context

@@ -1,0 +1,130 @@
+"""Context parallelism beyond the Gated DeltaNet head count (parallel/cp_gdn.py: sequence pieces and
+an affine scan over the ranks) equals one rank and transformers (float64, gloo).
+
+The model has 2 GDN key heads (4 value heads) and 2 KV heads, so CP=4, TP=2 x CP=2 and CP=8 cannot
+shard GDN by heads (parallel.cp.gdn_by_heads is false for all three) and take the sequence path.
+Checked against the same groups on one rank: per-group loss, per-token log-probs and every parameter
+gradient (through DDP + finalize_model_grads) <= 1e-10, detached and exact mode (exact = the full-
+sequence gradient, which the sweep carries through the replicated chunk states), prompts cut into
+chunks whose pieces are uneven, shorter than the conv window and empty (T < 2 x CP); the GDN final
+state of the capture (whole on every rank) <= 1e-12; and the per-token log-probs against
+transformers' Qwen3_5ForCausalLM on the full sequences (float32 upcasts lifted) <= 1e-10."""
+
+from __future__ import annotations
+
+from layout_compare import check_steps, compare, rel
+
+from longstraw_mcore.launch_local import run_ranks
+
+
+def _step(m, full, groups, tp, cp, mode, chunk_len):
+    import torch.distributed as dist
+    from megatron.core.distributed import finalize_model_grads
+
+    from longstraw_mcore.checkpoint.full_state import gather_full, load_full
+    from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig, TrainConfig
+    from longstraw_mcore.families.qwen3_5 import build_model
+    from longstraw_mcore.parallel.groups import setup_parallel
+    from longstraw_mcore.replay.group_step import process_group
+    from longstraw_mcore.train.trainer import wrap_ddp
+
+    cfg = RunConfig(model=m, parallel=ParallelConfig(tp=tp, cp=cp), device="cpu", train=TrainConfig())
+    par = setup_parallel(cfg)
+    model = build_model(m, par, "cpu")
+    load_full(model, full)
+    ddp = wrap_ddp(model, cfg, par)
+    ddp.zero_grad_buffer()
+    mine = {}
+    for i, g in enumerate(groups):
+        if i % par.dp == par.pgs.dp.rank():
+            st = process_group(ddp, g, ReplayConfig(mode=mode, chunk_len=chunk_len), GRPOConfig(beta=0.05),
+                               scale=par.dp / len(groups))
+            mine[i] = (st.loss, st.logprobs)
+    finalize_model_grads([ddp], pg_collection=par.pgs)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    merged = {k: v for d in every for k, v in d.items()}
+    gdn = {}
+    if mode == "exact":  # the capture's final GDN states, whole on every rank
+        from longstraw_mcore.replay.engine import capture
+
+        st = capture(model, __import__("torch").tensor([groups[-1].prompt[:-1]]), ReplayConfig(chunk_len=chunk_len))
+        gdn = {n: (layer.current.conv, layer.current.recurrent, layer.channels) for n, layer in st.layers.items()
+               if hasattr(layer, "current")}
+        gdn["tp"] = (par.pgs.tp.rank(), tp)
+    return [merged[i] for i in range(len(groups))], gather_full(model, grads=True), gdn
+
+
+def _hf_logprobs(hf_model, group):
+    import torch
+    from hf_reference import LiftFloat32ToFloat64
+
+    out = []
+    with LiftFloat32ToFloat64(), torch.no_grad():
+        for resp in group.responses:
+            ids = torch.tensor([group.prompt + resp])
+            logp = torch.log_softmax(hf_model(ids).logits[0, :-1].double(), -1)
+            out.append(logp[len(group.prompt) - 1:].gather(-1, ids[0, len(group.prompt):, None])[:, 0].tolist())
+    return out
+
+
+def _worker(rank, world_size, layouts, chunk_len):
+    import os
+    import sys
+
+    import torch
+
+    from hf_reference import LiftFloat32ToFloat64, build_hf_model, hf_state, tiny_model_config
+
+    from longstraw_mcore.checkpoint.qwen3_5 import hf_to_mcore
+    from longstraw_mcore.parallel.cp import gdn_by_heads
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "replay"))
+    from test_replay_equivalence import make_group
+
+    m = tiny_model_config()
+    assert m.linear_num_key_heads == 2 and m.num_key_value_heads == 2
+    with LiftFloat32ToFloat64():
+        hf_model = build_hf_model(m, seed=64)
+    full = hf_to_mcore(hf_state(hf_model), m)
+    groups = [make_group(m, 27, [5], seed=61), make_group(m, 31, [3, 1, 7, 2, 6, 1, 4, 8], seed=62)]
+    out = {"steps": {}, "gdn": {}, "hf": {}}
+    for mode in ("detached", "exact"):
+        ref = _step(m, full, groups, 1, 1, mode, chunk_len)
+        for name, tp, cp in layouts:
+            assert not gdn_by_heads(m.linear_num_key_heads // tp, cp), name
+            got = _step(m, full, groups, tp, cp, mode, chunk_len)
+            out["steps"][(name, mode)] = compare(ref[:2], got[:2])
+            if mode == "exact":  # this TP rank's heads of the one-rank state (conv channels q | k | v)
+                r, n_tp = got[2].pop("tp")
+                ref[2].pop("tp", None)
+                worst = 0.0
+                for n, (conv, rec, channels) in got[2].items():
+                    full_conv, full_rec = ref[2][n][:2]
+                    parts = torch.split(full_conv, [c * n_tp for c in channels], 1)
+                    want_conv = torch.cat([x.chunk(n_tp, 1)[r] for x in parts], 1)
+                    worst = max(worst, rel(conv, want_conv), rel(rec, full_rec.chunk(n_tp, 1)[r]))
+                out["gdn"][name] = worst
+                hf = [_hf_logprobs(hf_model, g) for g in groups]
+                out["hf"][name] = max(abs(x - y) for (_, lp), h in zip(got[0], hf)
+                                      for a, b in zip(lp, h) for x, y in zip(a, b))
+    return out
+
+
+def _check(outs):
+    for rank, out in enumerate(outs):
+        check_steps(out["steps"], rank, "GDN by sequence ")
+        for name in out["gdn"]:
+            if rank == 0:
+                print(f"{name}: capture's GDN final state vs one rank {out['gdn'][name]:.1e}; log-probs vs "
+                      f"transformers {out['hf'][name]:.1e}")
+            assert out["gdn"][name] <= 1e-12 and out["hf"][name] <= 1e-10, (name, out["gdn"][name], out["hf"][name])
+
+
+def test_gdn_by_sequence_cp4_and_tp2cp2_equal_one_rank_and_transformers():
+    # chunks of 7 over 8 pieces: pieces of 0 or 1 tokens (shorter than the conv window of 3)
+    _check(run_ranks(_worker, 4, [("cp4", 1, 4), ("tp2cp2", 2, 2)], 7, timeout_s=1200))
+
+
+def test_gdn_by_sequence_cp8_equals_one_rank_and_transformers():
+    _check(run_ranks(_worker, 8, [("cp8", 1, 8)], 20, timeout_s=1800))
