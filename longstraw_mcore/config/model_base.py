@@ -13,7 +13,8 @@ class ModelBase:
     """Mixed into each family's model config (it has no fields of its own); needs `vocab_size`,
     `make_vocab_size_divisible_by` and `dtype`."""
 
-    RUN_SETTINGS = ("dtype", "make_vocab_size_divisible_by", "attention_block", "gdn_chunk_size", "index_block")
+    RUN_SETTINGS = ("dtype", "make_vocab_size_divisible_by", "attention_block", "gdn_chunk_size", "index_block",
+                    "gdn_cp")
     """Fields that say how this run computes, not which model it is: a Hugging Face config.json does not
     hold them (read_config leaves their defaults), and two configs of one model may differ in them."""
 

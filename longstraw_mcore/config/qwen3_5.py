@@ -40,6 +40,12 @@ class Qwen35Config(ModelBase):
     rms_norm_eps: float = 1e-6
     gdn_chunk_size: int = 64
     """Chunk length of the chunked gated delta rule."""
+    gdn_cp: Literal["auto", "heads", "sequence"] = "auto"
+    """How Gated DeltaNet runs under context parallelism (parallel/cp.py gdn_by_heads): `heads`, each CP
+    rank the whole chunk for 1/cp of the key heads (two all-to-alls per layer and chunk; the key heads
+    per TP rank must divide by cp); `sequence`, each rank its own pieces with an affine scan over the
+    ranks (parallel/cp_gdn.py: any cp, about twice the delta-rule work per token, a few small
+    gathers); `auto`, heads where they divide, sequence otherwise (`plan --suggest` weighs both)."""
     attention_block: int = 1024
     """Key block of the blockwise attention (memory O(queries x block), never queries x keys)."""
     dtype: DType = "float32"
@@ -142,5 +148,8 @@ class Qwen35Config(ModelBase):
         p.stage_layers(self.num_layers)
         if p.ep != 1:
             raise ConfigError(f"parallel.ep={p.ep}: the {self.family} family has no experts; use parallel.ep=1")
-        # context parallel: Gated DeltaNet by head shards where the key heads split over tp*cp, by
-        # sequence pieces otherwise (parallel/cp.py gdn_by_heads); any cp fits
+        if p.cp > 1 and self.gdn_cp == "heads" and (self.linear_num_key_heads // tp) % p.cp:
+            valid = [c for c in range(1, self.linear_num_key_heads // tp + 1) if (self.linear_num_key_heads // tp) % c == 0]
+            raise ConfigError(f"model.gdn_cp=heads: model.linear_num_key_heads={self.linear_num_key_heads} is not "
+                              f"divisible by parallel.tp*parallel.cp={tp}*{p.cp}; context parallel sizes that divide it "
+                              f"at tp={tp}: {valid} (or model.gdn_cp=sequence / auto: any cp)")

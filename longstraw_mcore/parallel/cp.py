@@ -67,8 +67,8 @@ def gather_order(T: int, cp: int) -> torch.Tensor:
     return torch.tensor([i for r in range(cp) for i in local_positions(T, cp, r)], dtype=torch.long)
 
 
-def gdn_by_heads(n_k_heads: int, cp: int) -> bool:
+def gdn_by_heads(n_k_heads: int, cp: int, choice: str = "auto") -> bool:
     """Whether a Gated DeltaNet layer with `n_k_heads` key heads on this TP rank runs context parallel
     by head shards (parallel/cp_comm.py: each rank the whole chunk for 1/cp of the heads) rather than
-    by sequence pieces (parallel/cp_gdn.py: any head count)."""
-    return n_k_heads % cp == 0
+    by sequence pieces (parallel/cp_gdn.py: any head count); `choice` is model.gdn_cp."""
+    return choice != "sequence" and n_k_heads % cp == 0

@@ -112,7 +112,7 @@ class _ChunkBase(_Base):
         from longstraw_mcore.parallel.cp_comm import HeadsToSeq, SeqToHeads
 
         L = self.layout
-        if not gdn_by_heads(n_k_heads, L.size):  # by sequence pieces: parallel/cp_gdn.py
+        if not gdn_by_heads(n_k_heads, L.size, self.state.layers[n].gdn_cp):  # by pieces: parallel/cp_gdn.py
             from longstraw_mcore.parallel.cp_gdn import sequence_recurrent
 
             out, new = sequence_recurrent(core, inputs, self.read(n), L, self.T, n_k_heads, conv_width)

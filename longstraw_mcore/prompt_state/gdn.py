@@ -76,7 +76,7 @@ class GDNRecurrentState(LayerState):
         hk = m.linear_num_key_heads // tp
         self.channels = (hk * m.linear_key_head_dim, hk * m.linear_key_head_dim,
                          (m.linear_num_value_heads // tp) * m.linear_value_head_dim)   # conv window: q | k | v
-        self.hk = hk
+        self.hk, self.gdn_cp = hk, m.gdn_cp
         self.layout = None                       # context parallel: capture states are head shards (by heads)
         self.deposit_scale = 1.0
         self.current: GDNState | None = None     # after the positions captured so far
@@ -100,7 +100,7 @@ class GDNRecurrentState(LayerState):
         """Context parallel by head shards (else by sequence pieces: whole states on every rank)."""
         from longstraw_mcore.parallel.cp import gdn_by_heads
 
-        return self.layout is not None and gdn_by_heads(self.hk, self.layout.size)
+        return self.layout is not None and gdn_by_heads(self.hk, self.layout.size, self.gdn_cp)
 
     def finish_capture(self, layout) -> None:
         """Context parallel by heads: the capture ran on this rank's 1/n of the heads; every rank gets
@@ -198,7 +198,7 @@ class GDNRecurrentState(LayerState):
 
         conv, rec = cls._elements(m, tp)
         per = (conv * element_size(m.torch_dtype) + rec * element_size(m.state_dtype)) * batch
-        shards = cp if gdn_by_heads(m.linear_num_key_heads // tp, cp) else 1
+        shards = cp if gdn_by_heads(m.linear_num_key_heads // tp, cp, m.gdn_cp) else 1
         return {"gdn_state": per if captured > 0 else 0,
                 "gdn_chunk_boundaries": per // shards * max(exact_chunks - 1, 0)}
 

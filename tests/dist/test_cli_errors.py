@@ -115,6 +115,8 @@ def _cases(tmp):
                                              "parallel.cp=4", "model.linear_num_key_heads=4",
                                              "model.linear_num_value_heads=8"],
          "group 0: prompt of 3 tokens is too short for parallel.cp=4"),
+        ("CP by heads that GDN heads do not split", train + ["--rollouts", ok, "parallel.cp=4", "model.gdn_cp=heads"],
+         "model.gdn_cp=heads: model.linear_num_key_heads=2 is not divisible by parallel.tp*parallel.cp=1*4"),
         ("CP the world size does not fit", ["check", "--config", TINY, "--world-size", "3", "parallel.cp=2"],
          "world size 3 is not divisible by tp*pp*cp = 1*1*2 = 2"),
         ("adapter target the model lacks", train + ["--rollouts", ok, "adapter.rank=4", "adapter.targets=[q_proj,wq]"],

@@ -2,7 +2,8 @@
 an affine scan over the ranks) equals one rank and transformers (float64, gloo).
 
 The model has 2 GDN key heads (4 value heads) and 2 KV heads, so CP=4, TP=2 x CP=2 and CP=8 cannot
-shard GDN by heads (parallel.cp.gdn_by_heads is false for all three) and take the sequence path.
+shard GDN by heads (parallel.cp.gdn_by_heads is false for all three) and take the sequence path; DP=2 x
+CP=2 takes it by model.gdn_cp=sequence where the heads would split.
 Checked against the same groups on one rank: per-group loss, per-token log-probs and every parameter
 gradient (through DDP + finalize_model_grads) <= 1e-10, detached and exact mode (exact = the full-
 sequence gradient, which the sweep carries through the replicated chunk states), prompts cut into
@@ -69,6 +70,7 @@ def _hf_logprobs(hf_model, group):
 
 
 def _worker(rank, world_size, layouts, chunk_len):
+    import dataclasses
     import os
     import sys
 
@@ -91,9 +93,10 @@ def _worker(rank, world_size, layouts, chunk_len):
     out = {"steps": {}, "gdn": {}, "hf": {}}
     for mode in ("detached", "exact"):
         ref = _step(m, full, groups, 1, 1, mode, chunk_len)
-        for name, tp, cp in layouts:
-            assert not gdn_by_heads(m.linear_num_key_heads // tp, cp), name
-            got = _step(m, full, groups, tp, cp, mode, chunk_len)
+        for name, tp, cp, choice in layouts:
+            ml = dataclasses.replace(m, gdn_cp=choice)
+            assert not gdn_by_heads(m.linear_num_key_heads // tp, cp, choice), name
+            got = _step(ml, full, groups, tp, cp, mode, chunk_len)
             out["steps"][(name, mode)] = compare(ref[:2], got[:2])
             if mode == "exact":  # this TP rank's heads of the one-rank state (conv channels q | k | v)
                 r, n_tp = got[2].pop("tp")
@@ -123,8 +126,10 @@ def _check(outs):
 
 def test_gdn_by_sequence_cp4_and_tp2cp2_equal_one_rank_and_transformers():
     # chunks of 7 over 8 pieces: pieces of 0 or 1 tokens (shorter than the conv window of 3)
-    _check(run_ranks(_worker, 4, [("cp4", 1, 4), ("tp2cp2", 2, 2)], 7, timeout_s=1200))
+    # and model.gdn_cp=sequence where the heads would split (DP=2 x CP=2)
+    _check(run_ranks(_worker, 4, [("cp4", 1, 4, "auto"), ("tp2cp2", 2, 2, "auto"), ("dp2cp2 sequence", 1, 2, "sequence")],
+                     7, timeout_s=1200))
 
 
 def test_gdn_by_sequence_cp8_equals_one_rank_and_transformers():
-    _check(run_ranks(_worker, 8, [("cp8", 1, 8)], 20, timeout_s=1800))
+    _check(run_ranks(_worker, 8, [("cp8", 1, 8, "auto")], 20, timeout_s=1800))
