@@ -33,7 +33,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from longstraw_mcore.parallel.cp import CPLayout, piece_bounds
-from longstraw_mcore.prompt_state.hooks import GDNState
 
 
 class _Gather(torch.autograd.Function):
@@ -68,11 +67,12 @@ def _where(p: int, n: int) -> tuple[int, int]:
     return (p, 0) if p < n else (2 * n - 1 - p, 1)
 
 
-def sequence_recurrent(core, inputs: tuple, state: GDNState | None, layout: CPLayout, T: int, n_k_heads: int,
-                       conv_width: int) -> tuple[torch.Tensor, GDNState]:
+def sequence_recurrent(core, inputs: tuple, state, layout: CPLayout, T: int, n_k_heads: int,
+                       conv_width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The mixer's core over a chunk of T tokens held as zig-zag pieces (module docstring): this rank's
-    outputs [B, S_r, Hv, Dv] (state dtype) and the whole state leaving the chunk. `inputs` are the
-    core's (q, k, v, b, a) for this rank's tokens, pre-conv; `state` the whole state entering it."""
+    outputs [B, S_r, Hv, Dv] (state dtype) and the whole state leaving the chunk (conv window, recurrent
+    state). `inputs` are the core's (q, k, v, b, a) for this rank's tokens, pre-conv; `state` the whole
+    state entering it (its `.conv`, `.recurrent`; None at the start)."""
     n, r, W1 = layout.size, layout.rank, conv_width - 1
     assert W1 >= 1, conv_width
     q, k, v = inputs[:3]
@@ -112,4 +112,4 @@ def sequence_recurrent(core, inputs: tuple, state: GDNState | None, layout: CPLa
         mb = gathered[_where(p, n)]
         S = mb[..., :K] @ S.to(mb.dtype) + mb[..., K:]
     out = torch.cat([maps[p].output(entering[p]) for p in mine], 1)
-    return out, GDNState(conv=window(2 * n), recurrent=S)
+    return out, window(2 * n), S

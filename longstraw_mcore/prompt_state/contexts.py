@@ -114,8 +114,8 @@ class _ChunkBase(_Base):
         if not gdn_by_heads(n_k_heads, L.size, self.state.layers[n].gdn_cp):  # by pieces: parallel/cp_gdn.py
             from longstraw_mcore.parallel.cp_gdn import sequence_recurrent
 
-            out, new = sequence_recurrent(core, inputs, self.read(n), L, self.T, n_k_heads, conv_width)
-            self.write(n, new)
+            out, conv, rec = sequence_recurrent(core, inputs, self.read(n), L, self.T, n_k_heads, conv_width)
+            self.write(n, GDNState(conv=conv, recurrent=rec))
             return out
         h = n_k_heads // L.size
         whole = [SeqToHeads.apply(x, L, self.T) for x in inputs]
