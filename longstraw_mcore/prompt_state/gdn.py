@@ -55,14 +55,6 @@ def _own_heads(st: GDNState, layout, channels) -> GDNState:
     return GDNState(conv=conv.contiguous(), recurrent=st.recurrent.chunk(n, 1)[r].contiguous())
 
 
-def _cp_sum(x: torch.Tensor, layout) -> torch.Tensor:
-    import torch.distributed as dist
-
-    x = x.contiguous().clone()
-    dist.all_reduce(x, group=layout.group)
-    return x
-
-
 def _grads_or_zeros(leaf: GDNState) -> GDNState:
     return GDNState(conv=leaf.conv.grad if leaf.conv.grad is not None else torch.zeros_like(leaf.conv),
                     recurrent=leaf.recurrent.grad if leaf.recurrent.grad is not None else torch.zeros_like(leaf.recurrent))
@@ -154,7 +146,10 @@ class GDNRecurrentState(LayerState):
             # rank's scan adds to the pieces it gathered (parallel/cp_gdn.py)
             n = self.layout.size
             if not last:
-                carried = GDNState(conv=_cp_sum(carried.conv, self.layout), recurrent=_cp_sum(carried.recurrent, self.layout))
+                from longstraw_mcore.parallel.cp_comm import all_reduce_sum
+
+                carried = GDNState(conv=all_reduce_sum(carried.conv.clone(), self.layout),
+                                   recurrent=all_reduce_sum(carried.recurrent.clone(), self.layout))
             scale = (1.0 if last else self.deposit_scale) / n
             return [carried.conv * scale, carried.recurrent * scale]
         if last:

@@ -19,41 +19,30 @@ from longstraw_mcore.launch_local import run_ranks
 
 
 def _step(m, full, groups, tp, cp, mode, chunk_len):
-    import torch.distributed as dist
-    from megatron.core.distributed import finalize_model_grads
+    from layout_compare import replay_groups
 
-    from longstraw_mcore.checkpoint.full_state import gather_full, load_full
-    from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig, TrainConfig
+    from longstraw_mcore.checkpoint.full_state import load_full
+    from longstraw_mcore.config import ParallelConfig, ReplayConfig, RunConfig, TrainConfig
     from longstraw_mcore.families.qwen3_5 import build_model
     from longstraw_mcore.parallel.groups import setup_parallel
-    from longstraw_mcore.replay.group_step import process_group
     from longstraw_mcore.train.trainer import wrap_ddp
 
     cfg = RunConfig(model=m, parallel=ParallelConfig(tp=tp, cp=cp), device="cpu", train=TrainConfig())
     par = setup_parallel(cfg)
     model = build_model(m, par, "cpu")
     load_full(model, full)
-    ddp = wrap_ddp(model, cfg, par)
-    ddp.zero_grad_buffer()
-    mine = {}
-    for i, g in enumerate(groups):
-        if i % par.dp == par.pgs.dp.rank():
-            st = process_group(ddp, g, ReplayConfig(mode=mode, chunk_len=chunk_len), GRPOConfig(beta=0.05),
-                               scale=par.dp / len(groups))
-            mine[i] = (st.loss, st.logprobs)
-    finalize_model_grads([ddp], pg_collection=par.pgs)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    merged = {k: v for d in every for k, v in d.items()}
+    steps, grads = replay_groups(model, wrap_ddp(model, cfg, par), par, groups, mode, chunk_len)
     gdn = {}
     if mode == "exact":  # the capture's final GDN states, whole on every rank
+        import torch
+
         from longstraw_mcore.replay.engine import capture
 
-        st = capture(model, __import__("torch").tensor([groups[-1].prompt[:-1]]), ReplayConfig(chunk_len=chunk_len))
+        st = capture(model, torch.tensor([groups[-1].prompt[:-1]]), ReplayConfig(chunk_len=chunk_len))
         gdn = {n: (layer.current.conv, layer.current.recurrent, layer.channels) for n, layer in st.layers.items()
                if hasattr(layer, "current")}
         gdn["tp"] = (par.pgs.tp.rank(), tp)
-    return [merged[i] for i in range(len(groups))], gather_full(model, grads=True), gdn
+    return steps, grads, gdn
 
 
 def _hf_logprobs(hf_model, group):
