@@ -134,12 +134,9 @@ class Qwen35Config(ModelBase):
                 raise ConfigError(f"{name}={v} is not divisible by parallel.tp={tp}; tensor parallel sizes that "
                                   f"divide it: {valid}")
         hk = self.num_key_value_heads
-        if tp > hk and tp % hk == 0:  # KV groups: each KV head's state sharded over tp/hk ranks (parallel/kv_group.py)
-            if p.cp > 1:
-                raise ConfigError(f"parallel.tp={tp} exceeds model.num_key_value_heads={hk} (KV groups) together with "
-                                  f"parallel.cp={p.cp}: not supported yet; use parallel.tp <= {hk} with context "
-                                  "parallelism")
-        elif hk % tp:
+        # tp > hk (a multiple): KV groups, each KV head's state sharded over tp/hk ranks (parallel/kv_group.py;
+        # with context parallelism also over CP: group_cp_attention)
+        if hk % tp and not (tp > hk and tp % hk == 0):
             valid = [d for d in range(1, 65) if self.num_attention_heads % d == 0 and (hk % d == 0 or d % hk == 0)]
             raise ConfigError(f"model.num_key_value_heads={hk} is not divisible by parallel.tp={tp}, nor is tp a "
                               f"multiple of it; tensor parallel sizes that fit: {valid}")

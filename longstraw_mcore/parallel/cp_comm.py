@@ -9,6 +9,11 @@ largest and trim.
     SeqToHeads(x_local)   (autograd)  -> the whole chunk, this rank's 1/n of the heads
     HeadsToSeq(x_heads)   (autograd)  -> this rank's tokens, all heads
     merge_ranks(O_r, lse_r)           -> the softmax over every rank's keys, on every rank (no autograd)
+The autograd pieces a composed sharded attention is built of (parallel/cp_dsa.py, parallel/kv_group.py):
+    GatherTokens / LocalRows          this rank's rows <-> the whole chunk (each other's backward)
+    GatherHeads / LocalHeads          this rank's heads <-> every head of a group (each other's backward)
+    lse_merge(o_r, lse_r)             the softmax over every rank's keys; backward the identity (every
+                                      rank then holds the whole gradient of the merged output)
 SeqToHeads and HeadsToSeq are each other's backward: a gradient with respect to a head shard of the
 whole chunk goes back to the tokens' owners for every head, and vice versa. Each is one all-to-all
 (`seq_to_heads`, `heads_to_seq`): rank r sends rank j only what j keeps (its tokens of j's heads, or
@@ -144,3 +149,76 @@ def merge_ranks(o, lse, layout):
     one = torch.ones_like(den)
     out = num / torch.where(empty, one, den)[..., None]
     return out, torch.where(empty, torch.full_like(den, float("-inf")), m + torch.log(torch.where(empty, one, den)))
+
+
+class GatherTokens(torch.autograd.Function):
+    """This rank's zig-zag rows [B, S_r, ...] -> the whole chunk [B, T, ...] on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, layout: CPLayout, T: int):
+        ctx.layout, ctx.T = layout, T
+        return gather_tokens(x, layout, T)
+
+    @staticmethod
+    def backward(ctx, g):
+        return local_rows(all_reduce_sum(g.clone(), ctx.layout), ctx.layout, ctx.T), None, None
+
+
+class LocalRows(torch.autograd.Function):
+    """The whole chunk [B, T, ...] (the same on every rank) -> this rank's rows [B, S_r, ...]."""
+
+    @staticmethod
+    def forward(ctx, x, layout: CPLayout, T: int):
+        ctx.layout, ctx.T = layout, T
+        return local_rows(x, layout, T)
+
+    @staticmethod
+    def backward(ctx, g):
+        return gather_tokens(g.contiguous(), ctx.layout, ctx.T), None, None
+
+
+class GatherHeads(torch.autograd.Function):
+    """[B, S, h, ...] this rank's heads -> [B, S, h n, ...] every head of the group (`group`: anything
+    with .group / .rank / .size; heads in rank order, as Megatron's column-parallel split lays them)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.grp = group
+        return gather_dim(x, group, 2)
+
+    @staticmethod
+    def backward(ctx, g):
+        return own_heads(all_reduce_sum(g.clone(), ctx.grp), ctx.grp).contiguous(), None
+
+
+class LocalHeads(torch.autograd.Function):
+    """[B, S, H, ...] every head (the same on every rank of the group) -> this rank's [B, S, H/n, ...]."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.grp = group
+        return own_heads(x, group).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return gather_dim(g.contiguous(), ctx.grp, 2), None
+
+
+def lse_merge(o: torch.Tensor, lse: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partials (o [B, T, H, R], lse [B, T, H]) of each rank of `group` over its keys -> the softmax over
+    all of them, and its lse, on every rank. Backward is the identity (every rank holds the whole
+    gradient of the merged output): each rank's partial then gets exactly its share."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce_sum
+
+    m = lse.detach().clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group.group)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse - m)
+    # (Megatron's reduce all-reduces its input in place: hand it fresh tensors)
+    den = reduce_sum(w.clone(), group=group.group)
+    num = reduce_sum((o * w[..., None].to(o.dtype)).clone(), group=group.group)
+    # a query none of these ranks holds a selected key for (possible below the outermost level): o = 0,
+    # lse = -inf, and no NaN in either direction
+    some = den > 0
+    den = torch.where(some, den, torch.ones_like(den))
+    return num / den[..., None].to(num.dtype), torch.where(some, m + torch.log(den), torch.full_like(den, float("-inf")))

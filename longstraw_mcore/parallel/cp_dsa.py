@@ -41,60 +41,7 @@ import torch.distributed as dist
 
 from longstraw_mcore.ops.dsa import indexer_topk, mla_sparse_partial
 from longstraw_mcore.parallel.cp import CPLayout
-from longstraw_mcore.parallel.cp_comm import all_reduce_sum, gather_dim, gather_tokens, local_rows, own_heads
-
-
-class GatherTokens(torch.autograd.Function):
-    """This rank's zig-zag rows [B, S_r, ...] -> the whole chunk [B, T, ...] on every rank."""
-
-    @staticmethod
-    def forward(ctx, x, layout: CPLayout, T: int):
-        ctx.layout, ctx.T = layout, T
-        return gather_tokens(x, layout, T)
-
-    @staticmethod
-    def backward(ctx, g):
-        return local_rows(all_reduce_sum(g.clone(), ctx.layout), ctx.layout, ctx.T), None, None
-
-
-class LocalRows(torch.autograd.Function):
-    """The whole chunk [B, T, ...] (the same on every rank) -> this rank's rows [B, S_r, ...]."""
-
-    @staticmethod
-    def forward(ctx, x, layout: CPLayout, T: int):
-        ctx.layout, ctx.T = layout, T
-        return local_rows(x, layout, T)
-
-    @staticmethod
-    def backward(ctx, g):
-        return gather_tokens(g.contiguous(), ctx.layout, ctx.T), None, None
-
-
-class GatherHeads(torch.autograd.Function):
-    """[B, S, h, ...] this rank's heads -> [B, S, h n, ...] every head of the group (`group`: anything
-    with .group / .rank / .size; heads in rank order, as Megatron's column-parallel split lays them)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.grp = group
-        return gather_dim(x, group, 2)
-
-    @staticmethod
-    def backward(ctx, g):
-        return own_heads(all_reduce_sum(g.clone(), ctx.grp), ctx.grp).contiguous(), None
-
-
-class LocalHeads(torch.autograd.Function):
-    """[B, S, H, ...] every head (the same on every rank of the group) -> this rank's [B, S, H/n, ...]."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.grp = group
-        return own_heads(x, group).contiguous()
-
-    @staticmethod
-    def backward(ctx, g):
-        return gather_dim(g.contiguous(), ctx.grp, 2), None
+from longstraw_mcore.parallel.cp_comm import GatherHeads, GatherTokens, LocalHeads, LocalRows, gather_tokens, lse_merge
 
 
 def cp_select(vals: torch.Tensor, pos: torch.Tensor, k: int, layout):
@@ -116,26 +63,6 @@ def cp_select(vals: torch.Tensor, pos: torch.Tensor, k: int, layout):
     vals, pos = torch.gather(vals, -1, by_pos), torch.gather(pos, -1, by_pos)
     best = torch.sort(-vals, dim=-1, stable=True).indices[..., :k]
     return torch.gather(pos, -1, best), torch.gather(vals, -1, best)
-
-
-def lse_merge(o: torch.Tensor, lse: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partials (o [B, T, H, R], lse [B, T, H]) of each rank of `group` over its keys -> the softmax over
-    all of them, and its lse, on every rank. Backward is the identity (every rank holds the whole
-    gradient of the merged output): each rank's partial then gets exactly its share."""
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce_sum
-
-    m = lse.detach().clone()
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group.group)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    w = torch.exp(lse - m)
-    # (Megatron's reduce all-reduces its input in place: hand it fresh tensors)
-    den = reduce_sum(w.clone(), group=group.group)
-    num = reduce_sum((o * w[..., None].to(o.dtype)).clone(), group=group.group)
-    # a query none of these ranks holds a selected key for (possible below the outermost level): o = 0,
-    # lse = -inf, and no NaN in either direction
-    some = den > 0
-    den = torch.where(some, den, torch.ones_like(den))
-    return num / den[..., None].to(num.dtype), torch.where(some, m + torch.log(den), torch.full_like(den, float("-inf")))
 
 
 def sharded_mla_sparse(q_nope, q_pe, c_kv, k_pe, key_pos, counted, w_uk, sel_pos, valid, scale: float,

@@ -183,3 +183,66 @@ def group_attention(q, shard_sets: list[KeySet], replicated_sets: list[KeySet], 
         tuple((int(ks.start), None, 1.0, True) for ks in replicated_sets)
     kv_t = [t for ks in (*shard_sets, *replicated_sets) for t in (ks.k, ks.v)]
     return _GroupAttention.apply(q, (int(q_start), scale, int(block), kv, sets), *kv_t)
+
+
+def group_cp_attention(q, local_sets: list[KeySet], shared_sets: list[KeySet], q_start: int, kv: KVGroup, layout,
+                       chunk: tuple[int, int] | None, block: int = 1024):
+    """KV groups together with context parallelism: a KV head's prompt state is sharded over the r
+    ranks of its KV group x the n CP ranks (each keeps its KV-group share of its CP positions), so the
+    attention is composed of autograd pieces (parallel/cp_comm.py) rather than one node:
+
+      state     every query row (a chunk's: gathered over CP; a branch's: replicated there) of every
+                head of the group (gathered over the KV group) against this rank's shard (`local_sets`,
+                exact mode's accumulators as their sinks; present on every rank, maybe empty, so that
+                every rank runs the same collectives), merged by log-sum-exp over the KV group then over
+                CP (`lse_merge`: backward the identity), and this rank's heads (and rows) kept
+                (`LocalHeads` / `LocalRows`: backward gathers, so every rank holds the whole gradient)
+      own keys  a chunk's: this rank's rows and heads against the chunk's keys, gathered over CP
+                (causal, piece by piece); a branch's (`shared_sets`, and a prefix path's): this rank's
+                heads against them on every CP rank (replicated work, like the branch itself). Keys
+                replicated in the KV group get their gradient summed over it (`copy_to`), as every
+                replica must hold all of it (the module docstring)
+      merged    the two by plain autograd (`merge_attention`'s maths)
+    `chunk`: (T, s0) when q holds this CP rank's zig-zag rows of a chunk [s0, s0 + T), None for a branch.
+    Returns (out [B, T_r, h, Dv], lse [B, T_r, h]) of this rank's rows and heads."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region as copy_to
+
+    from longstraw_mcore.ops.attention import attention
+    from longstraw_mcore.parallel.cp import rank_pieces
+    from longstraw_mcore.parallel.cp_comm import GatherHeads, GatherTokens, LocalHeads, LocalRows, lse_merge
+
+    work = work_dtype(q.dtype)
+    parts = []
+    if chunk is not None:
+        T, s0 = chunk
+        rows = GatherTokens.apply(q, layout, T)
+        rows_start = s0
+    else:
+        rows, rows_start = copy_to(q, group=layout.group), q_start
+    if local_sets:
+        o, lse = attention(GatherHeads.apply(rows, kv), local_sets, rows_start, block=block)
+        o = o.to(work)
+        for g in (kv, layout):
+            o, lse = lse_merge(o, lse, g)
+        o, lse = LocalHeads.apply(o, kv), LocalHeads.apply(lse[..., None], kv)[..., 0]
+        if chunk is not None:
+            o, lse = LocalRows.apply(o, layout, T), LocalRows.apply(lse, layout, T)
+        parts.append((o, lse))
+    if chunk is not None:  # this rank's rows against the chunk's keys
+        (own,) = shared_sets
+        k, v = (GatherTokens.apply(copy_to(x, group=kv.group), layout, T) for x in (own.k, own.v))
+        os_, ls_, i = [], [], 0
+        for a, b in rank_pieces(T, layout.size, layout.rank):
+            o, lse = attention(q[:, i:i + b - a], [KeySet(k, v, s0)], s0 + a, block=block)
+            os_.append(o.to(work))
+            ls_.append(lse)
+            i += b - a
+        parts.append((torch.cat(os_, 1), torch.cat(ls_, 1)))
+    else:
+        sets = [KeySet(copy_to(ks.k, group=kv.group), copy_to(ks.v, group=kv.group), ks.start) for ks in shared_sets]
+        o, lse = attention(q, sets, q_start, block=block)
+        parts.append((o.to(work), lse))
+    total = torch.logsumexp(torch.stack([lse for _, lse in parts]), 0)
+    safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    out = sum(o * torch.exp(lse - safe)[..., None] for o, lse in parts)
+    return out.to(q.dtype), total

@@ -29,16 +29,23 @@ def _heads(m, tp: int) -> int:
     return max(m.num_key_value_heads // tp, 1)
 
 
+def _positions(m, tp: int, captured: int) -> int:
+    """Of `captured` positions (a CP rank's share), those one TP rank keeps: all, or its KV group's
+    share (the largest rank's: ceil(captured / r), r = tp / Hk) when tp exceeds the KV heads."""
+    r = tp // m.num_key_value_heads if tp > m.num_key_value_heads else 1
+    return -(-captured // r)
+
+
 
 class AttentionKV(LayerState):
     kind = "attention_kv"
     staged = ("k", "v")
 
-    def __init__(self, m, tp: int, captured: int, device, batch: int = 1, kv=None, spans=None):
+    def __init__(self, m, tp: int, captured: int, device, batch: int = 1, kv=None, spans=None, cp=(1, 0)):
         self.kv = kv  # KV group (tp > KV heads): keep 1/r of the positions of this rank's one KV head
-        if kv is not None:
+        if kv is not None:  # (under context parallelism 1/r of this CP rank's: `cp` = (size, rank))
             assert spans is not None, "a KV-group state needs the capture chunks"
-            captured = sum(local_count(e - s, kv.size, kv.rank) for s, e in spans)
+            captured = sum(local_count(local_count(e - s, *cp), kv.size, kv.rank) for s, e in spans)
         self.group_spans: dict = {}  # KV group: prompt span of a chunk -> (its buffer rows, its positions)
         shape = (batch, captured, 1 if kv is not None else m.num_key_value_heads // tp, m.head_dim)
         self.k = torch.zeros(shape, dtype=m.torch_dtype, device=device)
@@ -74,16 +81,18 @@ class AttentionKV(LayerState):
         return prior + [KeySet(k, v, span[0])]
 
     def _capture_group(self, k, v, span):
-        """KV group: the chunk's K/V are computed in full on every rank of the group; keep this rank's
-        zig-zag share of the positions; attend to the group's state shards and the chunk's keys."""
+        """KV group: the chunk's K/V (under context parallelism this CP rank's rows of it) are computed in
+        full on every rank of the group; keep this rank's zig-zag share of those positions; attend to the
+        group's state shards (a set on every rank once the prompt has begun, maybe empty: every rank of
+        the group then runs the same collectives) and the chunk's keys."""
         s0, s1 = span
-        idx = torch.tensor(local_positions(s1 - s0, self.kv.size, self.kv.rank), dtype=torch.long, device=k.device)
+        idx = torch.tensor(local_positions(k.shape[1], self.kv.size, self.kv.rank), dtype=torch.long, device=k.device)
         lo = self.length
         self.k[:, lo:lo + len(idx)].copy_(k.index_select(1, idx))
         self.v[:, lo:lo + len(idx)].copy_(v.index_select(1, idx))
         self.group_spans[span] = ((lo, lo + len(idx)), idx)
         self.length, self.global_end = lo + len(idx), s1
-        prior = [KeySet(self.k[:, :lo], self.v[:, :lo], 0, local=True)] if lo else []
+        prior = [KeySet(self.k[:, :lo], self.v[:, :lo], 0, local=True)] if s0 else []
         return prior + [KeySet(k, v, s0)]
 
     # --- replay: the whole prompt (read in place) and the branch's own keys (last) -------------------
@@ -91,7 +100,7 @@ class AttentionKV(LayerState):
         if offset != self.global_end:
             raise ValueError(f"attention state covers {self.global_end} positions but the branch starts at {offset}")
         own = KeySet(k, v, offset)
-        if self.length == 0:
+        if (self.length if self.kv is None else self.global_end) == 0:  # (KV group: the same on every rank)
             return [own]
         return [KeySet(self.k, self.v, 0, grad=self.grad, store_probs=store_probs, local=self.kv is not None), own]
 
@@ -120,7 +129,7 @@ class AttentionKV(LayerState):
         # (a recomputed tensor kept here would hold its whole recompute graph until finish_chunk)
         self.produced.setdefault(chunk, (k, v, local_span, idx))
         own = KeySet(k, v, span[0])
-        if ls0 == 0:
+        if (ls0 if self.kv is None else span[0]) == 0:
             return [own]
         return [KeySet(self.k[:, :ls0], self.v[:, :ls0], 0, grad=(self.grad[0][:, :ls0], self.grad[1][:, :ls0]),
                        grad_scale=deposit_scale, local=self.kv is not None), own]
@@ -159,13 +168,14 @@ class AttentionKV(LayerState):
 
     @classmethod
     def analytic_bytes(cls, m, tp: int, captured: int, exact_chunks: int, batch: int = 1, cp: int = 1) -> dict[str, int]:
-        """`captured`: the positions this rank holds (its zig-zag share under context parallelism, or
-        in a KV group when tp exceeds the KV heads: parallel/cp.py)."""
-        return {"attention_kv": 2 * _heads(m, tp) * m.head_dim * captured * element_size(m.torch_dtype) * batch}
+        """`captured`: this CP rank's positions (its zig-zag share under context parallelism:
+        parallel/cp.py), of which a KV group's rank keeps its share (`_positions`)."""
+        return {"attention_kv": 2 * _heads(m, tp) * m.head_dim * _positions(m, tp, captured) *
+                element_size(m.torch_dtype) * batch}
 
     @classmethod
     def analytic_grad_bytes(cls, m, tp: int, captured: int) -> int:
-        return 2 * _heads(m, tp) * m.head_dim * captured * element_size(grad_dtype(m.torch_dtype))
+        return 2 * _heads(m, tp) * m.head_dim * _positions(m, tp, captured) * element_size(grad_dtype(m.torch_dtype))
 
     @classmethod
     def probs_bytes(cls, m, tp: int, batch: int, tokens: int, captured: int) -> int:

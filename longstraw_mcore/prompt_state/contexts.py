@@ -101,6 +101,10 @@ class _ChunkBase(_Base):
         from longstraw_mcore.parallel.cp_attention import chunk_attention
 
         *prior, own = keys  # this rank's shard of the earlier chunks (maybe none), its pieces of this one
+        if kv is not None:  # KV groups with context parallelism
+            from longstraw_mcore.parallel.kv_group import group_cp_attention
+
+            return group_cp_attention(q, prior, [own], q_start, kv, self.layout, (self.T, self.span[0]), block)
         return chunk_attention(q, own.k, own.v, prior[0] if prior else None, self.span[0], self.T, self.layout,
                                block=block)
 
@@ -170,6 +174,10 @@ class ReplayContext(_Base):
         from longstraw_mcore.parallel.cp_attention import replay_attention
 
         n = self._shared  # the kinds put the branch's own keys last; the path's sets before them
+        if kv is not None:  # KV groups with context parallelism
+            from longstraw_mcore.parallel.kv_group import group_cp_attention
+
+            return group_cp_attention(q, keys[:-n], keys[-n:], q_start, kv, self.layout, None, block)
         return replay_attention(q, keys[:-n], keys[-n:], q_start, self.layout, block=block)
 
     def read(self, n: int):

@@ -48,7 +48,7 @@ class MLALatentState(LayerState):
     staged = ("c", "pe", "ik")
     exact_rows = ("ik",)  # the indexer's keys choose the top-k: not rounded to fp8 (memory/staging.py)
 
-    def __init__(self, m, tp: int, captured: int, device, batch: int = 1, kv=None, spans=None):
+    def __init__(self, m, tp: int, captured: int, device, batch: int = 1, kv=None, spans=None, **_):
         self.dtype = m.torch_dtype
         # `kv`: the TP group (one latent serves every head): row i of this rank's positions is kept by
         # TP rank i % n only (a stripe), not replicated

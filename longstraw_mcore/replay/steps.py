@@ -82,11 +82,12 @@ def new_state(core, plan: list[Step], g: GroupInputs, layout: CPLayout | None) -
     mcfg = getattr(core, "memory", None)
     if mcfg is None or not mcfg.stages_state:
         return allocate(core.state_kinds(), core.model_cfg, core.tp_size, local, device, kv=core.kv_group,
-                        spans=spans)
+                        spans=spans, cp=(cp, rank))
     from longstraw_mcore.memory.staging import place
 
     # memory.state_offload / state_dtype=fp8: shapes first (meta), then each staged tensor's home
-    state = allocate(core.state_kinds(), core.model_cfg, core.tp_size, local, "meta", kv=core.kv_group, spans=spans)
+    state = allocate(core.state_kinds(), core.model_cfg, core.tp_size, local, "meta", kv=core.kv_group, spans=spans,
+                     cp=(cp, rank))
     place(state, mcfg, device)
     return state
 

@@ -3,7 +3,9 @@ an affine scan over the ranks) equals one rank and transformers (float64, gloo).
 
 The model has 2 GDN key heads (4 value heads) and 2 KV heads, so CP=4, TP=2 x CP=2 and CP=8 cannot
 shard GDN by heads (parallel.cp.gdn_by_heads is false for all three) and take the sequence path; DP=2 x
-CP=2 takes it by model.gdn_cp=sequence where the heads would split.
+CP=2 takes it by model.gdn_cp=sequence where the heads would split. TP=2 x CP=2 once more with one KV
+head: KV groups together with CP (parallel/kv_group.py group_cp_attention: each KV head's state
+sharded over its KV group x the CP ranks, a quarter of the positions per rank).
 Checked against the same groups on one rank: per-group loss, per-token log-probs and every parameter
 gradient (through DDP + finalize_model_grads) <= 1e-10, detached and exact mode (exact = the full-
 sequence gradient, which the sweep carries through the replicated chunk states), prompts cut into
@@ -42,6 +44,8 @@ def _step(m, full, groups, tp, cp, mode, chunk_len):
         gdn = {n: (layer.current.conv, layer.current.recurrent, layer.channels) for n, layer in st.layers.items()
                if hasattr(layer, "current")}
         gdn["tp"] = (par.pgs.tp.rank(), tp)
+        # positions of the prompt's K/V this rank keeps, and whether a KV group holds them
+        gdn["kv"] = [(layer.k.shape[1], layer.kv is not None) for layer in st.layers.values() if hasattr(layer, "k")]
     return steps, grads, gdn
 
 
@@ -73,23 +77,33 @@ def _worker(rank, world_size, layouts, chunk_len):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "replay"))
     from test_replay_equivalence import make_group
 
-    m = tiny_model_config()
-    assert m.linear_num_key_heads == 2 and m.num_key_value_heads == 2
-    with LiftFloat32ToFloat64():
-        hf_model = build_hf_model(m, seed=64)
-    full = hf_to_mcore(hf_state(hf_model), m)
-    groups = [make_group(m, 27, [5], seed=61), make_group(m, 31, [3, 1, 7, 2, 6, 1, 4, 8], seed=62)]
-    out = {"steps": {}, "gdn": {}, "hf": {}}
+    models = {}  # KV heads -> (config, transformers' model, its weights, the groups)
+    for kv_heads in sorted({lay[4] for lay in layouts}):
+        m = tiny_model_config(num_key_value_heads=kv_heads)
+        assert m.linear_num_key_heads == 2
+        with LiftFloat32ToFloat64():
+            hf_model = build_hf_model(m, seed=64)
+        models[kv_heads] = (m, hf_model, hf_to_mcore(hf_state(hf_model), m),
+                            [make_group(m, 27, [5], seed=61), make_group(m, 31, [3, 1, 7, 2, 6, 1, 4, 8], seed=62)])
+    out = {"steps": {}, "gdn": {}, "hf": {}, "kv": {}}
     for mode in ("detached", "exact"):
-        ref = _step(m, full, groups, 1, 1, mode, chunk_len)
-        for name, tp, cp, choice in layouts:
+        refs = {h: _step(m, full, groups, 1, 1, mode, chunk_len) for h, (m, _, full, groups) in models.items()}
+        for name, tp, cp, choice, kv_heads in layouts:
+            m, hf_model, full, groups = models[kv_heads]
+            ref = refs[kv_heads]
             ml = dataclasses.replace(m, gdn_cp=choice)
             assert not gdn_by_heads(m.linear_num_key_heads // tp, cp, choice), name
+            assert (tp > kv_heads) == name.startswith("kv groups"), name
             got = _step(ml, full, groups, tp, cp, mode, chunk_len)
             out["steps"][(name, mode)] = compare(ref[:2], got[:2])
             if mode == "exact":  # this TP rank's heads of the one-rank state (conv channels q | k | v)
                 r, n_tp = got[2].pop("tp")
                 ref[2].pop("tp", None)
+                ref[2].pop("kv", None)
+                # the state's positions this rank keeps (summed over the ranks in _check)
+                kv = got[2].pop("kv")
+                assert {grouped for _, grouped in kv} == {tp > kv_heads} and len({rows for rows, _ in kv}) == 1, kv
+                out["kv"][name] = (kv[0][0], len(groups[-1].prompt) - 1, cp * (tp if tp > kv_heads else 1))
                 worst = 0.0
                 for n, (conv, rec, channels) in got[2].items():
                     full_conv, full_rec = ref[2][n][:2]
@@ -104,6 +118,11 @@ def _worker(rank, world_size, layouts, chunk_len):
 
 
 def _check(outs):
+    for name, (_, positions, shards) in outs[0]["kv"].items():
+        # every rank keeps 1/cp of the prompt's positions, and of those 1/r in a KV group of r = tp ranks:
+        # over the world, each position (per KV head a rank serves) is kept world / shards times
+        total = sum(out["kv"][name][0] for out in outs)
+        assert total * shards == positions * len(outs), (name, total, shards, positions)
     for rank, out in enumerate(outs):
         check_steps(out["steps"], rank, "GDN by sequence ")
         for name in out["gdn"]:
@@ -116,9 +135,11 @@ def _check(outs):
 def test_gdn_by_sequence_cp4_and_tp2cp2_equal_one_rank_and_transformers():
     # chunks of 7 over 8 pieces: pieces of 0 or 1 tokens (shorter than the conv window of 3)
     # and model.gdn_cp=sequence where the heads would split (DP=2 x CP=2)
-    _check(run_ranks(_worker, 4, [("cp4", 1, 4, "auto"), ("tp2cp2", 2, 2, "auto"), ("dp2cp2 sequence", 1, 2, "sequence")],
+    # and KV groups with CP: TP=2 x CP=2 with one KV head
+    _check(run_ranks(_worker, 4, [("cp4", 1, 4, "auto", 2), ("tp2cp2", 2, 2, "auto", 2),
+                                  ("dp2cp2 sequence", 1, 2, "sequence", 2), ("kv groups tp2cp2", 2, 2, "auto", 1)],
                      7, timeout_s=1200))
 
 
 def test_gdn_by_sequence_cp8_equals_one_rank_and_transformers():
-    _check(run_ranks(_worker, 8, [("cp8", 1, 8, "auto")], 20, timeout_s=1800))
+    _check(run_ranks(_worker, 8, [("cp8", 1, 8, "auto", 2)], 20, timeout_s=1800))

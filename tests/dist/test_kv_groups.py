@@ -11,7 +11,7 @@ gradient (assembled from the shards).
 Checked against TP=1 (<= 1e-10): logits; branch replay (detached and exact) loss, log-probs and every
 parameter gradient; the global gradient norm (replicated projections counted once); a checkpoint
 saved at TP=4 loads at TP=1 with identical logits. Per-rank K/V bytes: one head, half the positions.
-Not covered: KV groups with context parallelism (refused at config load), CUDA.
+Not covered here: KV groups with context parallelism (tests/dist/test_cp_sequence_gdn.py), CUDA.
 """
 
 from __future__ import annotations
