@@ -33,6 +33,7 @@ def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float 
     from longstraw_mcore.planner.memory import (GPUS_PER_NODE, HOST_GIB, device_profile, max_prompt_len, node_ranks,
                                                 phase_bytes, plan_both)
     from longstraw_mcore.planner.timing import plan_time
+    from longstraw_mcore.parallel.cp import gdn_path
 
     if not isinstance(gpus, int) or gpus < 1:
         raise ConfigError(f"--gpus {gpus!r}: must be a positive integer")
@@ -68,7 +69,8 @@ def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float 
            "activations_by_phase_last_stage": phase_bytes(family, cfg, P, R, G, _last_stage(cfg), True),
            "inputs": {"family": cfg.model.family, "prompt_len": P, "response_len": R, "group_size": G, "gpus": gpus,
                       "gpus_per_node": per_node,
-                      "layout": {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "dp": p.dp_for(gpus)},
+                      "layout": {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "dp": p.dp_for(gpus),
+                                 **({"gdn": gdn} if (gdn := gdn_path(cfg.model, p.tp, p.cp)) else {})},
                       "mode": cfg.replay.mode, "device": dev.name, "efficiency": efficiency,
                       "memory": {"recompute": mem.recompute, "state_offload": mem.state_offload,
                                  "state_dtype": mem.state_dtype, "optimizer_offload": mem.optimizer_offload,

@@ -72,3 +72,14 @@ def gdn_by_heads(n_k_heads: int, cp: int, choice: str = "auto") -> bool:
     by head shards (parallel/cp_comm.py: each rank the whole chunk for 1/cp of the heads) rather than
     by sequence pieces (parallel/cp_gdn.py: any head count); `choice` is model.gdn_cp."""
     return choice != "sequence" and n_k_heads % cp == 0
+
+
+def gdn_path(m, tp: int, cp: int) -> str | None:
+    """Which way a model's Gated DeltaNet layers run at this layout: "heads" or "sequence" under
+    context parallelism (`gdn_by_heads` with model.gdn_cp), "whole" without it, None for a model
+    without them (the planner's and `plan`'s one answer)."""
+    if not hasattr(m, "linear_num_key_heads"):
+        return None
+    if cp == 1:
+        return "whole"
+    return "heads" if gdn_by_heads(m.linear_num_key_heads // tp, cp, m.gdn_cp) else "sequence"

@@ -21,6 +21,9 @@ k-norm's weight gradient likewise: models/norms.py).
 Exact mode's recompute seeds the chunk's (replicated) K/V with the gradient of every position,
 assembled from the group's shards by an all-reduce.
 
+With context parallelism as well, a KV head's state is sharded over its KV group x the CP ranks and
+`group_cp_attention` composes the attention from autograd pieces (its docstring).
+
 Gradient norms count a replicated projection once: it is marked `tensor_model_parallel` on the
 group's first rank only, so Megatron's `param_is_not_tensor_parallel_duplicate` (and ours) skips
 the copies.

@@ -52,8 +52,10 @@ def mlp_bytes(hidden: int, ffn_local: int, e: int) -> int:
     return hidden * e + 5 * ffn_local * e
 
 
-def gdn_bytes(m, tp: int, T: int, keys: int = 0) -> int:
-    """T tokens (padded to the GDN chunk inside the rule) through one Gated DeltaNet mixer."""
+def gdn_bytes(m, tp: int, T: int, keys: int = 0, wide: bool = False) -> int:
+    """T tokens (padded to the GDN chunk inside the rule) through one Gated DeltaNet mixer. `wide`: a
+    chunk's pieces under context parallelism by sequence (parallel/cp_gdn.py): the rule's value-sized
+    terms at Dk + Dv (values [0 | v] from the state [I | 0]), and its maps' corrections' input c [T, Hv, Dk]."""
     e, s = _elem(m.dtype), max(4, _elem(m.dtype))
     hk, hv = m.linear_num_key_heads // tp, m.linear_num_value_heads // tp
     dk, dv, C, W = m.linear_key_head_dim, m.linear_value_head_dim, m.gdn_chunk_size, m.linear_conv_kernel_dim
@@ -63,14 +65,17 @@ def gdn_bytes(m, tp: int, T: int, keys: int = 0) -> int:
     Tp = n * C
     b = T * Hd * e + ch * (T + W - 1) * e + ch * W * e + T * ch * e      # x, conv window, conv weight, conv out
     b += 3 * T * hv * s + 2 * T * hv * (dk + 1) * s                      # gates; q, k in s with 1/norm
-    b += hv * Tp * (5 * C + 10 * dk + 2 * dv + 3) * s + hv * n * s       # the chunked rule's matrices
-    b += n * hv * dv * (dk + C) * s                                      # per chunk: state in, u
+    rv = dv + (dk if wide else 0)                                        # the rule's value width
+    b += hv * Tp * (5 * C + 10 * dk + 2 * rv + 3) * s + hv * n * s       # the chunked rule's matrices
+    b += n * hv * rv * (dk + C) * s                                      # per chunk: state in, u
+    b += T * hv * dk * s if wide else 0                                  # c: the piece's output map
     b += T * hv * (3 * dv + 1) * s + 3 * T * hv * dv * e                 # gated norm, output projection input
     return b
 
 
-def attention_bytes(m, tp: int, T: int, keys: int = 0) -> int:
-    """T tokens through one gated-attention mixer (replay: the prompt's K/V are the state)."""
+def attention_bytes(m, tp: int, T: int, keys: int = 0, wide: bool = False) -> int:
+    """T tokens through one gated-attention mixer (replay: the prompt's K/V are the state); `wide` is
+    Gated DeltaNet's (hybrid_layer_bytes hands it to either mixer)."""
     e, s = _elem(m.dtype), max(4, _elem(m.dtype))
     hq, hkv = m.num_attention_heads // tp, max(1, m.num_key_value_heads // tp)
     d, Hd = m.head_dim, m.hidden_size
@@ -153,12 +158,12 @@ def moe_bytes(m, T: int) -> int:
 
 
 def hybrid_layer_bytes(mixer_bytes, m, tp: int, T: int, layer: int, keys: int = 0, produce_only: bool = False,
-                       query_block: int = 0) -> int:
+                       query_block: int = 0, gdn_wide: bool = False) -> int:
     """A Qwen layer: its mixer (`mixer_bytes`: gdn_bytes or attention_bytes), the SwiGLU MLP, two
     zero-centred norms; `produce_only`: input norm and mixer (see `layer_bytes`). `query_block` is MLA's
-    (no term here)."""
+    (no term here); `gdn_wide`: gdn_bytes' `wide`."""
     e = _elem(m.dtype)
-    mix, norm = mixer_bytes(m, tp, T, keys), T * zero_centred_norm_bytes(m.hidden_size, e)
+    mix, norm = mixer_bytes(m, tp, T, keys, gdn_wide), T * zero_centred_norm_bytes(m.hidden_size, e)
     if produce_only:
         return mix + norm
     return mix + T * mlp_bytes(m.hidden_size, m.intermediate_size // tp, e) + 2 * norm
@@ -191,9 +196,13 @@ def layer_bytes(layers: dict, m, tp: int, T: int, layer: int, keys: int = 0, pro
 
 
 def kind_bytes(kind, m, tp: int, T: int, layer: int, keys: int = 0, produce_only: bool = False,
-               query_block: int = 0) -> int:
-    """`layer_bytes` for a layer whose record (`kind`) the caller already holds."""
+               query_block: int = 0, gdn_wide: bool = False) -> int:
+    """`layer_bytes` for a layer whose record (`kind`) the caller already holds. `gdn_wide`: a prompt
+    chunk's Gated DeltaNet by sequence pieces (context parallelism, parallel/cp_gdn.py: values Dk wider
+    in its rule), handed on only when set, like `query_block`."""
     kw = {"query_block": query_block} if query_block > 0 else {}
+    if gdn_wide:
+        kw["gdn_wide"] = True
     return kind.activation_bytes(m, tp, T, layer, keys, produce_only, **kw)
 
 

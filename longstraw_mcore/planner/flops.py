@@ -28,9 +28,10 @@ from typing import Protocol
 class LayerFlops(Protocol):
     """One layer's matmul FLOPs on one TP rank (`kind`: "algorithm" or "minimum"; `layer`: its global index)."""
 
-    def capture(self, m, tp: int, layer: int, chunks: list[tuple[int, int]], kind: str, last: bool = False) -> float:
+    def capture(self, m, tp: int, layer: int, chunks: list[tuple[int, int]], kind: str, last: bool = False,
+                cp: int = 1) -> float:
         """Every capture chunk [s, e) of the prompt, forward without autograd; `last`: the model's last
-        layer (run only as far as its state)."""
+        layer (run only as far as its state); `cp`: the context-parallel size (summed over its ranks)."""
 
     def replay(self, m, tp: int, layer: int, R: int, Pc: int, exact: bool, store_probs: bool, kind: str,
                path: tuple[int, ...] = (), seeded: bool = False) -> float:
@@ -39,7 +40,7 @@ class LayerFlops(Protocol):
         piece after the segments of lengths `path` (their state read with gradients), `seeded`: a
         segment whose final state receives its children's gradient."""
 
-    def recompute(self, m, tp: int, layer: int, s: int, e: int, last: bool, kind: str) -> float:
+    def recompute(self, m, tp: int, layer: int, s: int, e: int, last: bool, kind: str, cp: int = 1) -> float:
         """Exact mode: chunk [s, e) recomputed with autograd and back-propagated from its state's
         gradient; `last`: the model's last layer (run only as far as its state)."""
 
@@ -112,13 +113,15 @@ def forward_flops(layers: dict, m, P: int, lengths: list[int], tp: int = 1) -> f
 
 
 def step_flops(layers: dict, m, P: int, lengths: list[int], mode: str, chunk_len: int, tp: int = 1,
-               store_probs: bool = False) -> dict:
+               store_probs: bool = False, cp: int = 1) -> dict:
     """{"algorithm": {phase: flops}, "minimum": {phase: flops}, "model_3x": {...}} for one group step of
     branch replay (`layers`: the family's {layer type: LayerKind}; `lengths`: the branches' lengths, or
     a prefix tree's (tokens, depth) pieces).
 
     `store_probs`: the branches keep their attention probabilities over the prompt (no score
-    recompute in their backward; `replay.attn_probs_budget_mib`)."""
+    recompute in their backward; `replay.attn_probs_budget_mib`). `cp`: the context-parallel size, for
+    what a layer does differently under it (Gated DeltaNet by sequence pieces: planner/flops_hybrid.py);
+    the capture and the sweep are then the sum over the cp ranks."""
     Pc = P - 1
     chunks = [(s, min(Pc, s + chunk_len)) for s in range(0, Pc, chunk_len)]
     per = _layers(layers, m)
@@ -126,10 +129,10 @@ def step_flops(layers: dict, m, P: int, lengths: list[int], mode: str, chunk_len
     out = {}
     for kind in ("algorithm", "minimum"):
         last = len(per) - 1
-        ph = {"capture": sum(f.capture(m, tp, i, chunks, kind, i == last) for i, f in per)}
+        ph = {"capture": sum(f.capture(m, tp, i, chunks, kind, i == last, cp=cp) for i, f in per)}
         ph["replay"] = branch_flops(layers, m, P, lengths, exact, tp, store_probs, kind)
         if exact:
-            ph["prompt_backward"] = sum(f.recompute(m, tp, i, s, e, i == last, kind) for s, e in chunks
+            ph["prompt_backward"] = sum(f.recompute(m, tp, i, s, e, i == last, kind, cp=cp) for s, e in chunks
                                         for i, f in per)
         out[kind] = ph
     # The conventional model count: forward once, backward = 2 x forward for every matmul (attention

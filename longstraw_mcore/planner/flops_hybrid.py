@@ -7,7 +7,13 @@ its SwiGLU MLP, on one TP rank.
                       probabilities are stored, dP, dQ, and dK, dV where the keys need a gradient)
     Gated DeltaNet    q, k, v, z, b, a, out projections and the MLP; the chunked gated delta rule's matmuls
                       per chunk of C (ops/gated_delta.py) and the depthwise conv as FlopCounterMode counts
-                      it (its input gradient counted like a dense conv)
+                      it (its input gradient counted like a dense conv). Under context parallelism by
+                      sequence pieces (parallel/cp_gdn.py, where `gdn_by_heads` is false), summed over the
+                      cp ranks: every capture / recompute chunk cut into 2 cp pieces, each its own rule
+                      run on values K wider (Dk + Dv) from a given state, plus every rank's scan over the
+                      2 cp pieces' maps (2 Hv Dk^2 Dv each) and the outputs' correction (2 Hv Dk Dv per
+                      token); a model of those ops, not checked FLOP for FLOP like the rest (the CP
+                      layout test compares it with FlopCounterMode)
 
 The capture and exact mode's recompute of the model's last layer run only as far as its state
 (forward_state): the rest of that layer (attention: q projection, core, o projection; GDN: z / out projections and its
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+from longstraw_mcore.parallel.cp import gdn_path, piece_bounds
 from longstraw_mcore.planner.flops import attn_pairs
 
 
@@ -37,7 +44,7 @@ class GatedAttentionFlops:
     def _unit(m, tp: int) -> float:
         return 2.0 * (m.num_attention_heads // tp) * m.head_dim
 
-    def capture(self, m, tp, layer, chunks, kind, last=False):
+    def capture(self, m, tp, layer, chunks, kind, last=False, cp=1):
         W, pruned = self._weights(m, tp)
         Pc = sum(e - s for s, e in chunks)
         if last:  # only its K/V projections
@@ -65,7 +72,7 @@ class GatedAttentionFlops:
         return (3 * 2.0 * W * R + u * (pp + seg + own) * 2 + u * pp * prompt_bwd + u * seg * own_bwd
                 + u * own * own_bwd)
 
-    def recompute(self, m, tp, layer, s, e, last, kind):
+    def recompute(self, m, tp, layer, s, e, last, kind, cp=1):
         W, pruned = self._weights(m, tp)
         T = e - s
         if last:  # only its K/V: their projections, forward and backward
@@ -102,36 +109,52 @@ class GatedDeltaNetFlops:
         ch = (2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim) // tp
         return hv, ch, m.gdn_chunk_size, m.linear_key_head_dim, m.linear_value_head_dim
 
-    def _fwd(self, m, tp: int, tokens: int) -> float:
+    def _fwd(self, m, tp: int, tokens: int, wide: bool = False) -> float:
+        """The rule and the conv over `tokens` in one run; `wide`: a sequence piece's run, on values K
+        wider (module docstring)."""
         hv, ch, C, K, V = self._dims(m, tp)
-        n = math.ceil(tokens / C) if tokens else 0
+        n, V = math.ceil(tokens / C), V + (K if wide else 0)
         per_chunk = 2 * hv * (2 * C * C * K + C * C * V + 2 * C * K * V + C * K * V)
         return n * per_chunk + 2 * ch * m.linear_conv_kernel_dim * tokens
 
-    def _bwd(self, m, tp: int, tokens: int, init_grad: bool, final_grad: bool, output_unused: bool = False) -> float:
+    @staticmethod
+    def _pieces(m, tp: int, cp: int) -> int:
+        """The sequence pieces of a chunk under context parallelism by sequence (2 cp), else 0."""
+        return 2 * cp if gdn_path(m, tp, cp) == "sequence" else 0
+
+    def _scan(self, m, tp: int, tokens: int, pieces: int) -> float:
+        """The sequence path's scan on every one of the pieces / 2 ranks and its outputs' correction."""
+        hv, _, _, K, V = self._dims(m, tp)
+        return pieces // 2 * pieces * 2 * hv * K * K * V + 2 * hv * K * V * tokens if pieces else 0.0
+
+    def _bwd(self, m, tp: int, tokens: int, init_grad: bool, final_grad: bool, output_unused: bool = False,
+             wide: bool = False) -> float:
         """Backward: both operands of every chunk matmul, plus the triangular solves' matmul
         gradients (dA = -dX X^T); minus the gradients nobody needs: the entering state's when it is a
         constant (`init_grad` False), the last chunk's state update when the final state is discarded
         (`final_grad` False), and the output path (Q K^T, (Q e^G) S, (Q K^T * D) U) when the layer's
         output feeds nothing (exact mode's last recomputed layer)."""
         hv, ch, C, K, V = self._dims(m, tp)
-        n = math.ceil(tokens / C) if tokens else 0
+        n, V = math.ceil(tokens / C), V + (K if wide else 0)
         conv_fwd = 2 * ch * m.linear_conv_kernel_dim * tokens
         conv_bwd = conv_fwd * ch + conv_fwd  # FlopCounterMode: depthwise input-grad counted as dense
         solve = n * 2 * hv * (C * C * V + C * C * K)
         state_mm = 2 * hv * C * K * V  # one of W S, (Q e^G) S, (K e^{G_C-G})^T U for one chunk
         unneeded = (0 if init_grad else 2 * state_mm) + (0 if final_grad else 2 * state_mm) if n else 0
-        full = 2 * (self._fwd(m, tp, tokens) - conv_fwd) + conv_bwd + solve - unneeded
+        full = 2 * (self._fwd(m, tp, tokens, wide) - conv_fwd) + conv_bwd + solve - unneeded
         if not output_unused:
             return full
         # output path: both operands of its three output matmuls in every chunk, less the entering-state
         # gradient of (Q e^G) S already left out above
         return full - (n * 2 * (state_mm + 2 * hv * C * C * (V + K)) - (0 if init_grad or not n else state_mm))
 
-    def capture(self, m, tp, layer, chunks, kind, last=False):
+    def capture(self, m, tp, layer, chunks, kind, last=False, cp=1):
         W, pruned = self._weights(m, tp)
         Pc = sum(e - s for s, e in chunks)
-        return 2.0 * (W - pruned if last else W) * Pc + self._fwd(m, tp, Pc)
+        n = self._pieces(m, tp, cp)
+        rule = (sum(self._fwd(m, tp, b - a, True) for s, e in chunks for a, b in piece_bounds(e - s, n))
+                + sum(self._scan(m, tp, e - s, n) for s, e in chunks) if n else self._fwd(m, tp, Pc))
+        return 2.0 * (W - pruned if last else W) * Pc + rule
 
     def replay(self, m, tp, layer, R, Pc, exact, store_probs, kind, path=(), seeded=False):
         # the state entering a branch is a constant (detached) or a leaf (exact, or a prefix tree's segment
@@ -140,10 +163,20 @@ class GatedDeltaNetFlops:
         init = (exact and Pc > 0) or bool(path)
         return 3 * 2.0 * W * R + self._fwd(m, tp, R) + self._bwd(m, tp, R, init_grad=init, final_grad=seeded)
 
-    def recompute(self, m, tp, layer, s, e, last, kind):
+    def recompute(self, m, tp, layer, s, e, last, kind, cp=1):
         W, pruned = self._weights(m, tp)
         T = e - s
         lin = 2.0 * (W - pruned if last else W) * T
+        n = self._pieces(m, tp, cp)
+        if n:  # each piece's rule starts from a constant ([I | 0]); the scan and correction: forward + both
+            # operands, except the gradient of the prompt's zero entering state (chunk 0: the first scan
+            # step on every rank, the first piece's correction)
+            hv, _, _, K, V = self._dims(m, tp)
+            first = n // 2 * 2 * hv * K * K * V + 2 * hv * K * V * (piece_bounds(T, n)[0][1]) if s == 0 else 0
+            return 3 * lin + 3 * self._scan(m, tp, T, n) - first + sum(
+                self._fwd(m, tp, b - a, True) + self._bwd(m, tp, b - a, init_grad=False, final_grad=True,
+                                                          output_unused=last, wide=True)
+                for a, b in piece_bounds(T, n))
         return 3 * lin + self._fwd(m, tp, T) + self._bwd(m, tp, T, init_grad=s > 0, final_grad=True, output_unused=last)
 
     def forward(self, m, tp, layer, R, Pc):

@@ -97,7 +97,7 @@ class MLADSAFlops:
                       + T * h * R * m.v_head_dim)
         return (self._linear(m, tp, layer, T) + attn) * (3 if grad else 1) + self._index(m, tp, T, pairs)
 
-    def capture(self, m, tp, layer, chunks, kind, last=False):
+    def capture(self, m, tp, layer, chunks, kind, last=False, cp=1):
         if last:  # only its latents, RoPE keys and indexer keys (the recompute's forward)
             T, H = sum(e - s for s, e in chunks), m.hidden_size
             return (2.0 * T * (H * (m.kv_lora_rank + m.qk_rope_head_dim) // tp)
@@ -111,7 +111,7 @@ class MLADSAFlops:
         return self._call(m, tp, layer, R, Pc + d, Pc + d + R, kind, grad=True,
                           rows=_stripe(Pc, tp) + d + R if tp > 1 else None)
 
-    def recompute(self, m, tp, layer, s, e, last, kind):
+    def recompute(self, m, tp, layer, s, e, last, kind, cp=1):
         if not last:
             return self._call(m, tp, layer, e - s, s, e, kind, grad=True, rows=_stripe(s, tp) + e - s if tp > 1 else None)
         T, H = e - s, m.hidden_size

@@ -261,6 +261,7 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     position-sized state in the model dtype (planner/state.py staging_bytes); memory.mla_query_block
     shrinks GLM's per-query top-k terms (planner/activations.py mla_bytes).
     Token counts are this rank's: a chunk's 1/cp under context parallelism, branches whole."""
+    from longstraw_mcore.parallel.cp import gdn_path
     from longstraw_mcore.planner.activations import kind_bytes
     from longstraw_mcore.planner.state import staging_bytes
     from longstraw_mcore.prompt_state.containers import analytic_state_grad_bytes
@@ -276,6 +277,8 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     types = sorted({lt[i] for i in stage})
     one_grad = max(analytic_state_grad_bytes(layers, m, p.tp, captured, [t]) for t in types) if exact else 0
     last = stage[-1] if last_stage else None
+    # Gated DeltaNet by sequence pieces under CP (parallel/cp_gdn.py): a chunk's rule runs on values Dk wider
+    wide = gdn_path(m, p.tp, p.cp) == "sequence"
 
     def rows(i):  # the prompt positions layer i reads on this rank (MLA latents: striped over TP too)
         return layers[lt[i]].state.rows(captured, p.tp)
@@ -286,8 +289,9 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     def backward_scratch(T, i, keys):  # what layer i's backward makes beside its saved tensors (score blocks)
         return layers[lt[i]].backward_scratch(m, T, keys, p.tp)
 
-    def one(T, own, i, produce_only=False):
-        return kind_bytes(layers[lt[i]], m, p.tp, T, i, rows(i) + own, produce_only=produce_only, query_block=qb)
+    def one(T, own, i, produce_only=False):  # own = 0: a prompt chunk (its own keys are the state's); own = T: branches
+        return kind_bytes(layers[lt[i]], m, p.tp, T, i, rows(i) + own, produce_only=produce_only, query_block=qb,
+                          gdn_wide=wide and own == 0)
 
     def saved(T, own, sweep=False):  # sweep: the model's last layer runs only as far as its state
         return sum(one(T, own, i, produce_only=sweep and i == last) for i in stage)

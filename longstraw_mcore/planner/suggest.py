@@ -7,7 +7,11 @@ adapter section, dtype and replay settings are kept; the search sets, for --gpus
 
     layout    tp: powers of two up to 8; cp: powers of two; pp: even stages, divisors of num_layers up
               to 8 (uneven parallel.pp_layers are not searched); dp = N / (tp cp pp); ep: the largest
-              power of two the config accepts (fewer experts per rank; the time model has no EP term)
+              power of two the config accepts (fewer experts per rank; the time model has no EP term);
+              with cp > 1 and model.gdn_cp=auto (the hybrid family), both Gated DeltaNet paths where the
+              key heads split over tp x cp (model.gdn_cp=heads and =sequence; the sequence path
+              alone where they do not): the time model counts the sequence path's wider rule and scan
+              (planner/flops_hybrid.py) but no collective, so heads wins where both fit
     switches  memory.recompute none | layer; with layer, memory.state_offload and memory.state_dtype
               model | fp8 (the config refuses fp8 in exact mode and for float64);
               memory.optimizer_offload; train.grad_reduction step | micro_step, with micro_step
@@ -107,8 +111,21 @@ def layouts(base: dict, gpus: int, num_layers: int) -> list[tuple[list[str], obj
                     except ConfigError:
                         continue
                     out.append((ov, cfg))
+                    for gdn in _gdn_paths(cfg):
+                        alt = _load(base, ov + [f"model.gdn_cp={gdn}"] + off)
+                        if alt is not None:
+                            out.append((ov + [f"model.gdn_cp={gdn}"], alt))
                     break
     return out
+
+
+def _gdn_paths(cfg) -> list[str]:
+    """The Gated DeltaNet paths a layout may take besides its own under CP (module docstring): the
+    sequence path where model.gdn_cp=auto would shard by heads."""
+    from longstraw_mcore.parallel.cp import gdn_path
+
+    m, p = cfg.model, cfg.parallel
+    return ["sequence"] if getattr(m, "gdn_cp", None) == "auto" and gdn_path(m, p.tp, p.cp) == "heads" else []
 
 
 def switch_sets(mla: bool) -> list[dict]:
@@ -246,7 +263,12 @@ def describe(c: Candidate, gpus: int) -> str:
         sw.append("grad_offload=true")
     if m.mla_query_block:
         sw.append(f"mla_query_block={m.mla_query_block}")
-    return f"tp={p.tp} cp={p.cp} pp={p.pp} ep={p.ep} dp={p.dp_for(gpus)}; " + ", ".join(sw)
+    lay = f"tp={p.tp} cp={p.cp} pp={p.pp} ep={p.ep} dp={p.dp_for(gpus)}"
+    from longstraw_mcore.parallel.cp import gdn_path
+
+    if gdn_path(c.cfg.model, p.tp, p.cp) in ("heads", "sequence"):  # which Gated DeltaNet path under CP
+        lay += f" gdn={gdn_path(c.cfg.model, p.tp, p.cp)}"
+    return lay + "; " + ", ".join(sw)
 
 
 def miss_line(c: Candidate, gpus: int, dev, host_limit: int, searched: int) -> str:

@@ -4,7 +4,9 @@ its own prompt group), from the FLOP model (planner/flops.py) and the memory pla
 (`--efficiency`), host-device copies and the CPU optimizer at the constant rates below, nothing
 overlapped (an upper bound where the runtime overlaps), no communication.
 
-Per rank, with F a phase's FLOPs on one TP rank (step_flops' algorithm count), peak = the device's bf16
+Per rank, with F a phase's FLOPs on one TP rank (step_flops' algorithm count; the capture's and the
+sweep's summed over the cp ranks, so Gated DeltaNet by sequence pieces counts its wider rule and
+every rank's scan: planner/flops_hybrid.py), peak = the device's bf16
 FLOP/s x efficiency, n the capture chunks, passes = G replayed branches (1 with replay.batch_branches),
 P_local = ceil((P - 1) / cp) + 1:
 
@@ -52,12 +54,12 @@ CPU_ADAM_BYTES_PER_S = 10e9
 rank: a 2-socket DDR5 node's ~300-600 GB/s shared by 8 ranks' optimizer threads, with Adam's several
 passes per element (read parameter, gradient and moments; write parameter and moments)."""
 
-def _step(family, m, P: int, lengths: list[int], mode: str, chunk_len: int, tp: int) -> dict:
-    """step_flops' algorithm count."""
+def _step(family, m, P: int, lengths: list[int], mode: str, chunk_len: int, tp: int, cp: int) -> dict:
+    """step_flops' algorithm count (capture and sweep summed over the cp ranks)."""
     from longstraw_mcore.planner.flops import step_flops
 
-    return kept(("step", family.name, repr(m), P, tuple(lengths), mode, chunk_len, tp),
-                 lambda: step_flops(family.layers, m, P, lengths, mode, chunk_len, tp)["algorithm"])
+    return kept(("step", family.name, repr(m), P, tuple(lengths), mode, chunk_len, tp, cp),
+                 lambda: step_flops(family.layers, m, P, lengths, mode, chunk_len, tp, cp=cp)["algorithm"])
 
 
 def _branches(family, m, P: int, lengths: list[int], exact: bool, tp: int) -> tuple[float, float]:
@@ -81,7 +83,7 @@ def phase_flops(family, cfg, P: int, R: int, G: int, pieces=None) -> dict:
     m, p, rc = cfg.model, cfg.parallel, cfg.replay
     exact = rc.mode == "exact"
     lengths = list(pieces) if pieces is not None else [R] * G
-    full = _step(family, m, P, lengths, rc.mode, rc.chunk_len, p.tp)
+    full = _step(family, m, P, lengths, rc.mode, rc.chunk_len, p.tp, p.cp)
     replay, forward = _branches(family, m, -(-(P - 1) // p.cp) + 1, lengths, exact, p.tp)
     out = {"capture": full["capture"] / (p.pp * p.cp), "replay": replay / p.pp}
     if exact:

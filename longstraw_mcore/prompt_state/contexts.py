@@ -26,7 +26,8 @@ gathered) and the GDN core runs on the whole chunk for this rank's 1/n of the he
 over CP (`parallel.cp.gdn_by_heads`), on this rank's pieces by an affine scan over the ranks
 (`parallel.cp_gdn.sequence_recurrent`), from and to the whole state. A replayed branch is whole on every
 rank: its attention is `replay_attention` (this rank's prompt shard, the branch's own keys counted
-once), its GDN core reads the full final state. MLA + DSA over a sequence-sharded latent (context
+once), its GDN core reads the full final state. With KV groups as well (tp above the KV heads) both
+kinds of call attend through `parallel.kv_group.group_cp_attention`. MLA + DSA over a sequence-sharded latent (context
 parallelism, or the TP group's stripes) is `parallel.cp_dsa.attend_latent_sharded`: a chunk's queries
 gathered over CP, every head's over the TP stripes, the top-k chosen globally and the attention
 merged by log-sum-exp. In exact mode's recompute the seeds are scaled by

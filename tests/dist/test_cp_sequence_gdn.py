@@ -49,6 +49,48 @@ def _step(m, full, groups, tp, cp, mode, chunk_len):
     return steps, grads, gdn
 
 
+def _flops(m, full, group, cp, chunk_len):
+    """FlopCounterMode's count on this rank (summed over the ranks in _check) of a capture and of exact
+    mode's sweep (its prompt_backward steps), with the planner's counts (planner/flops_hybrid.py: Gated
+    DeltaNet by sequence pieces, summed over CP)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from longstraw_mcore.checkpoint.full_state import load_full
+    from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig
+    from longstraw_mcore.families.qwen3_5 import LAYERS, build_model
+    from longstraw_mcore.parallel.groups import setup_parallel
+    from longstraw_mcore.planner.flops import step_flops
+    from longstraw_mcore.replay.engine import capture
+    from longstraw_mcore.replay.group_step import process_group
+
+    model = build_model(m, setup_parallel(RunConfig(model=m, parallel=ParallelConfig(cp=cp), device="cpu")), "cpu")
+    load_full(model, full)
+    with FlopCounterMode(display=False) as fc:
+        capture(model, torch.tensor([group.prompt[:-1]]), ReplayConfig(chunk_len=chunk_len))
+    measured = {"capture": fc.get_total_flops()}
+
+    class Sweep:  # a replay/watch.py Watch that counts the FLOPs of the prompt_backward steps
+        sweep, at, label = 0, 0, ""
+
+        def begin(self, plan, responses):
+            pass
+
+        def before(self, step):
+            self.at = fc.get_total_flops()
+
+        def done(self, step, *a, **k):
+            if step.phase == "prompt_backward":
+                self.sweep += fc.get_total_flops() - self.at
+
+    watch = Sweep()
+    with FlopCounterMode(display=False) as fc:
+        process_group(model, group, ReplayConfig(mode="exact", chunk_len=chunk_len), GRPOConfig(), watch=watch)
+    an = step_flops(LAYERS, m, len(group.prompt), [len(r) for r in group.responses], "exact", chunk_len, 1,
+                    cp=cp)["algorithm"]
+    return {"capture": (measured["capture"], an["capture"]), "sweep": (watch.sweep, an["prompt_backward"])}
+
+
 def _hf_logprobs(hf_model, group):
     import torch
     from hf_reference import LiftFloat32ToFloat64
@@ -85,7 +127,7 @@ def _worker(rank, world_size, layouts, chunk_len):
             hf_model = build_hf_model(m, seed=64)
         models[kv_heads] = (m, hf_model, hf_to_mcore(hf_state(hf_model), m),
                             [make_group(m, 27, [5], seed=61), make_group(m, 31, [3, 1, 7, 2, 6, 1, 4, 8], seed=62)])
-    out = {"steps": {}, "gdn": {}, "hf": {}, "kv": {}}
+    out = {"steps": {}, "gdn": {}, "hf": {}, "kv": {}, "flops": {}}
     for mode in ("detached", "exact"):
         refs = {h: _step(m, full, groups, 1, 1, mode, chunk_len) for h, (m, _, full, groups) in models.items()}
         for name, tp, cp, choice, kv_heads in layouts:
@@ -114,10 +156,18 @@ def _worker(rank, world_size, layouts, chunk_len):
                 hf = [_hf_logprobs(hf_model, g) for g in groups]
                 out["hf"][name] = max(abs(x - y) for (_, lp), h in zip(got[0], hf)
                                       for a, b in zip(lp, h) for x, y in zip(a, b))
+            if mode == "exact" and name == "cp4":  # the planner's FLOPs of the sequence path
+                out["flops"] = _flops(ml, full, groups[-1], cp, chunk_len)
     return out
 
 
 def _check(outs):
+    if outs[0]["flops"]:
+        for phase in ("capture", "sweep"):
+            measured = sum(out["flops"][phase][0] for out in outs)
+            model = outs[0]["flops"][phase][1]
+            print(f"planner FLOPs of the {phase} by sequence pieces / FlopCounterMode's: {model / measured:.4f}")
+            assert model == measured, (phase, model, measured)
     for name, (_, positions, shards) in outs[0]["kv"].items():
         # every rank keeps 1/cp of the prompt's positions, and of those 1/r in a KV group of r = tp ranks:
         # over the world, each position (per KV head a rank serves) is kept world / shards times
