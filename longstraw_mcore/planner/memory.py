@@ -277,8 +277,7 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     types = sorted({lt[i] for i in stage})
     one_grad = max(analytic_state_grad_bytes(layers, m, p.tp, captured, [t]) for t in types) if exact else 0
     last = stage[-1] if last_stage else None
-    # Gated DeltaNet by sequence pieces under CP (parallel/cp_gdn.py): a chunk's rule runs on values Dk wider
-    wide = gdn_path(m, p.tp, p.cp) == "sequence"
+    wide = gdn_path(m, p.tp, p.cp) == "sequence"  # a chunk's GDN rule on values Dk wider (parallel/cp_gdn.py)
 
     def rows(i):  # the prompt positions layer i reads on this rank (MLA latents: striped over TP too)
         return layers[lt[i]].state.rows(captured, p.tp)
