@@ -148,13 +148,15 @@ def block_attention(q, k, v, q_start: int, k_start: int, scale: float | None = N
     return attention(q, [KeySet(k, v, k_start, store_probs=store_probs)], q_start, scale=scale, block=block)
 
 
-def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Softmax over the union of key sets from per-set (out [B,T,H,D], lse [B,T,H]), by plain autograd.
+def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]], with_lse: bool = False):
+    """Softmax over the union of key sets from per-set (out [B,T,H,D], lse [B,T,H]), by plain autograd:
+    out, or (`with_lse`) (out, the merged lse).
 
     The composable form (each part its own autograd node, lse differentiable): what a merge across
-    ranks builds on. Within one rank `attention` merges in one node instead."""
+    ranks builds on (parallel/kv_group.py group_cp_attention). Within one rank `attention` merges in
+    one node instead."""
     if len(parts) == 1:
-        return parts[0][0]
+        return parts[0] if with_lse else parts[0][0]
     lses = torch.stack([lse for _, lse in parts])                                # [n,B,T,H]
     total = torch.logsumexp(lses, dim=0)
     total_safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
@@ -162,7 +164,7 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Ten
     for o, lse in parts:
         w = torch.exp(lse - total_safe)
         out = out + o * w[..., None].to(o.dtype)
-    return out
+    return (out, total) if with_lse else out
 
 
 def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -205,12 +205,12 @@ def group_cp_attention(q, local_sets: list[KeySet], shared_sets: list[KeySet], q
                 heads against them on every CP rank (replicated work, like the branch itself). Keys
                 replicated in the KV group get their gradient summed over it (`copy_to`), as every
                 replica must hold all of it (the module docstring)
-      merged    the two by plain autograd (`merge_attention`'s maths)
+      merged    the two by plain autograd (`merge_attention`)
     `chunk`: (T, s0) when q holds this CP rank's zig-zag rows of a chunk [s0, s0 + T), None for a branch.
     Returns (out [B, T_r, h, Dv], lse [B, T_r, h]) of this rank's rows and heads."""
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region as copy_to
 
-    from longstraw_mcore.ops.attention import attention
+    from longstraw_mcore.ops.attention import attention, merge_attention
     from longstraw_mcore.parallel.cp import rank_pieces
     from longstraw_mcore.parallel.cp_comm import GatherHeads, GatherTokens, LocalHeads, LocalRows, lse_merge
 
@@ -245,7 +245,5 @@ def group_cp_attention(q, local_sets: list[KeySet], shared_sets: list[KeySet], q
         sets = [KeySet(copy_to(ks.k, group=kv.group), copy_to(ks.v, group=kv.group), ks.start) for ks in shared_sets]
         o, lse = attention(q, sets, q_start, block=block)
         parts.append((o.to(work), lse))
-    total = torch.logsumexp(torch.stack([lse for _, lse in parts]), 0)
-    safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
-    out = sum(o * torch.exp(lse - safe)[..., None] for o, lse in parts)
-    return out.to(q.dtype), total
+    out, lse = merge_attention(parts, with_lse=True)
+    return out.to(q.dtype), lse

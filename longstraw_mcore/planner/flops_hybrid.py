@@ -12,8 +12,9 @@ its SwiGLU MLP, on one TP rank.
                       cp ranks: every capture / recompute chunk cut into 2 cp pieces, each its own rule
                       run on values K wider (Dk + Dv) from a given state, plus every rank's scan over the
                       2 cp pieces' maps (2 Hv Dk^2 Dv each) and the outputs' correction (2 Hv Dk Dv per
-                      token); a model of those ops, not checked FLOP for FLOP like the rest (the CP
-                      layout test compares it with FlopCounterMode)
+                      token), less in the sweep the gradient of the prompt's zero entering state;
+                      equal to FlopCounterMode's count summed over the ranks (capture and exact sweep:
+                      tests/dist/test_cp_sequence_gdn.py)
 
 The capture and exact mode's recompute of the model's last layer run only as far as its state
 (forward_state): the rest of that layer (attention: q projection, core, o projection; GDN: z / out projections and its

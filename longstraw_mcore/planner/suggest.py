@@ -263,11 +263,12 @@ def describe(c: Candidate, gpus: int) -> str:
         sw.append("grad_offload=true")
     if m.mla_query_block:
         sw.append(f"mla_query_block={m.mla_query_block}")
-    lay = f"tp={p.tp} cp={p.cp} pp={p.pp} ep={p.ep} dp={p.dp_for(gpus)}"
     from longstraw_mcore.parallel.cp import gdn_path
 
-    if gdn_path(c.cfg.model, p.tp, p.cp) in ("heads", "sequence"):  # which Gated DeltaNet path under CP
-        lay += f" gdn={gdn_path(c.cfg.model, p.tp, p.cp)}"
+    lay = f"tp={p.tp} cp={p.cp} pp={p.pp} ep={p.ep} dp={p.dp_for(gpus)}"
+    gdn = gdn_path(c.cfg.model, p.tp, p.cp)
+    if gdn in ("heads", "sequence"):  # which Gated DeltaNet path under CP
+        lay += f" gdn={gdn}"
     return lay + "; " + ", ".join(sw)
 
 
