@@ -15,3 +15,7 @@ Shape legend, one for the package (docstrings and `x_TBH`-style comments use it)
 """
 
 __version__ = "0.1.0"
+
+from longstraw_mcore import lazy_compile as _lazy_compile  # noqa: E402
+
+_lazy_compile.install()  # Megatron's torch.compile fusions compile at first call, not at import

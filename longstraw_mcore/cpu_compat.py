@@ -17,6 +17,8 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
+from longstraw_mcore import lazy_compile
+
 _LOCK = threading.Lock()
 _ENABLED = False
 _MODE: "_CudaToCpuMode | None" = None
@@ -211,6 +213,7 @@ def enable(device: str) -> bool:
         _moe_split_sizes_patch()
         _new_empty_patch()
         _function_backward_patch()
+        lazy_compile.run_eagerly()  # Megatron's torch.compile'd functions uncompiled (lazy_compile.py)
         _MODE = _CudaToCpuMode()
         _MODE.__enter__()  # process-wide: the mode stays on the stack for the life of the process
         _ENABLED = True

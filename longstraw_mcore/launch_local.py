@@ -9,10 +9,10 @@ exception is re-raised in the caller with that rank's traceback; a rank that doe
 `fn` must be importable by module path (a module-level function), as it is pickled by name.
 
 The fork server (one per calling process, started on first use) imports torch, Megatron-Core and
-transformers once (`PRELOAD`, about 8 s of CPU); every rank of every later world is forked from it with
-those modules loaded, instead of importing them again per rank as `spawn` would. The fork server holds
-no threads, locks or process groups, so forking it is safe. Each rank gets the caller's environment
-as it is at the call (the fork server's own is from its start).
+transformers' two model families once (`PRELOAD`, about 10 s of CPU); every rank of every later world
+is forked from it with those modules loaded, instead of importing them again per rank as `spawn` would.
+The fork server holds no threads, locks or process groups, so forking it is safe. Each rank gets the
+caller's environment as it is at the call (the fork server's own is from its start).
 """
 
 from __future__ import annotations
@@ -28,10 +28,14 @@ from typing import Any, Callable, Sequence
 
 import multiprocessing as mp
 
-# Imported once in the fork server; a module that is not installed is skipped.
-PRELOAD = ("torch", "torch.distributed", "megatron.core.parallel_state", "megatron.core.tensor_parallel",
-           "megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
-           "megatron.core.transformer.moe.moe_layer", "transformers")
+# Imported once in the fork server; a module that is not installed is skipped. longstraw_mcore first:
+# its import hook makes Megatron's torch.compile decorations lazy (lazy_compile.py).
+PRELOAD = ("longstraw_mcore", "torch", "torch.distributed", "megatron.core.parallel_state",
+           "megatron.core.tensor_parallel", "megatron.core.models.gpt", "megatron.core.distributed",
+           "megatron.core.optimizer", "megatron.core.transformer.moe.moe_layer", "transformers",
+           # the two families' transformers models (the references ranks build): importing one imports
+           # torch._dynamo and torch._inductor (transformers' hub kernels), ~3 s a rank otherwise
+           "transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
 
 
 class RankFailure(RuntimeError):

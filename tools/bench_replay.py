@@ -6,12 +6,13 @@
       [--naive-copies N] [--out bench.json] [key=value ...]    (e.g. replay.attn_probs_budget_mib=4096)
   python tools/bench_replay.py --tree 1,2,2,4:24,24,6,10 --prompt-lens 4096 [--modes detached,exact]
   python tools/bench_replay.py --vs-transformers [--config configs/bench-hybrid-256.yaml] --prompt-lens 4096,16384
-      --response-lens 128 --group-sizes 8 [--hf-full-copies N] [--out vs_hf.json]
+      --response-lens 128 --group-sizes 8 [--hf-full-copies N] [--cold] [--out vs_hf.json]
 
 --vs-transformers runs, in one process on the same weights, transformers' full sequences, transformers'
 no-grad prompt cache + per-branch autograd, and our detached and exact modes (longstraw_mcore/bench/
 vs_transformers.py): seconds per path and phase, speed-ups, and each of our gradients against its
-transformers peer.
+transformers peer. Each path runs twice per point and its second run is timed (a training loop's
+steady state; --cold times the first, whose seconds the JSON keeps either way).
 
 --tree WIDTHS:LENGTHS replaces each point's responses by a full prefix tree (widths[d] children per node
 at depth d, segments of lengths[d] tokens, the last the responses' own tails; the example: G=16
@@ -133,6 +134,8 @@ def main(argv=None) -> int:
     p.add_argument("--hf-full-copies", type=int, default=0,
                    help="--vs-transformers: run transformers' full sequences on this many of the G branches and "
                         "scale (0 = all; its gradient is compared only when all run)")
+    p.add_argument("--cold", action="store_true", help="--vs-transformers: time each path's first run at a "
+                   "point (default: its second, the steady state of a training loop; the first is kept in the JSON)")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
@@ -274,7 +277,7 @@ def vs_transformers(a) -> int:
     gen = torch.Generator().manual_seed(0)
     rows = []
     warm = RolloutGroup(prompt=list(range(1, 65)), responses=[[1] * 8, [2] * 8], rewards=[0.0, 1.0])
-    vt.run_point(model, hf, m, warm, cfg.replay, cfg.grpo, progress=lambda s: None)  # first calls' set-up, untimed
+    vt.run_point(model, hf, m, warm, cfg.replay, cfg.grpo, warm=False, progress=lambda s: None)  # first calls' set-up, untimed
     for P in map(int, a.prompt_lens.split(",")):
         prompt = torch.randint(0, m.vocab_size, (P,), generator=gen).tolist()
         for R in map(int, a.response_lens.split(",")):
@@ -283,7 +286,7 @@ def vs_transformers(a) -> int:
                 group = RolloutGroup(prompt=prompt, responses=responses, rewards=[float(i % 3) for i in range(G)])
                 print(f"P={P} R={R} G={G} ({m.dtype}, {torch.get_num_threads()} threads, ops.attention="
                       f"{cfg.ops.attention}, ops.gdn={cfg.ops.gdn}):", flush=True)
-                res = vt.run_point(model, hf, m, group, cfg.replay, cfg.grpo, copies=a.hf_full_copies,
+                res = vt.run_point(model, hf, m, group, cfg.replay, cfg.grpo, copies=a.hf_full_copies, warm=not a.cold,
                                    progress=lambda s: print(s, flush=True))
                 rows.append({"P": P, "R": R, "G": G, "paths": res})
                 if len(rows) == 1 or rows[-2]["P"] != P:  # the GDN kernels alone, once per prompt length
@@ -306,7 +309,7 @@ def vs_table(rows) -> str:
     """The side-by-side table: seconds per path (ours with its phases), and the acceptance ratios."""
     out = ["| P | R | G | transformers full seq. | transformers cache | detached (capture + replay) | "
            "exact (+ prompt bwd) | detached, batched | exact, batched | detached vs cache | exact vs full seq. | "
-           "exact / detached | grad vs peer (det., exact) |", "|" + "---|" * 13]
+           "exact / detached | exact / detached, first runs | grad vs peer (det., exact) |", "|" + "---|" * 14]
     for r in rows:
         p = r["paths"]
         s = {k: v["seconds"] for k, v in p.items()}
@@ -316,6 +319,8 @@ def vs_table(rows) -> str:
         scaled = f" (x{r['G'] // p['hf_full']['copies_run']})" if "copies_run" in p.get("hf_full", {}) else ""
         gr = lambda k: (f"{p[k]['grad_rel_to_peer']['worst_rel']:.1e}" if "grad_rel_to_peer" in p.get(k, {}) else "-")  # noqa: E731
         both = lambda f, a, b: f"{f(a)} / {f(b)}" if b in s else f(a)  # noqa: E731
+        cold = lambda a, b: (f"{p[a]['cold_seconds'] / p[b]['cold_seconds']:.2f}x"  # noqa: E731
+                             if "cold_seconds" in p.get(a, {}) and "cold_seconds" in p.get(b, {}) else "-")
         out.append(f"| {r['P']} | {r['R']} | {r['G']} | " + (f"{s['hf_full']:.1f}{scaled}" if "hf_full" in s else "-")
                    + " | " + (f"{s['hf_cache']:.2f} ({ph('hf_cache', 'prompt', 'branches')})" if "hf_cache" in s else "-")
                    + f" | {cell('detached', 'capture', 'replay')} | {cell('exact', 'capture', 'replay', 'prompt_backward')}"
@@ -324,6 +329,8 @@ def vs_table(rows) -> str:
                    f" | {both(lambda k: ratio('hf_full', k, '{:.1f}x'), 'exact', 'exact_batched')}"
                    f" | {ratio('exact', 'detached', '{:.2f}x')}" + (f" / {ratio('exact_batched', 'detached_batched', '{:.2f}x')}"
                                                                    if "exact_batched" in s else "")
+                   + f" | {cold('exact', 'detached')}" + (f" / {cold('exact_batched', 'detached_batched')}"
+                                                           if "exact_batched" in s else "")
                    + f" | {gr('detached')}, {gr('exact')} |")
     return "\n".join(out)
 

@@ -124,49 +124,69 @@ def _worst(ours: dict, ref: dict) -> tuple[float, str]:
     return _rel(ours[worst], ref[worst]), worst
 
 
-def run_point(model, hf, m, group, rcfg, gcfg, paths=PATHS, copies: int = 0, progress=print) -> dict:
-    """One (P, R, G) point: {path: {seconds, phases, grad_rel_to_peer}}."""
+def _run_path(path, model, hf, m, group, rcfg, gcfg, fn, copies: int):
+    """One timed run of `path`: (seconds, phases, gradient in our naming or None)."""
     from longstraw_mcore.checkpoint.full_state import gather_full
     from longstraw_mcore.checkpoint.qwen3_5 import hf_to_mcore
-    from longstraw_mcore.loss.grpo import advantages, group_loss_fn
     from longstraw_mcore.replay.group_step import process_group
 
-    fn = group_loss_fn(group, gcfg, advantages(group.rewards, gcfg))
     dev = next(model.parameters()).device
+    G = len(group.responses)
+    hf.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    _sync(dev)
+    t0 = time.perf_counter()
+    grads = None
+    if path == "hf_full":
+        n = copies if 0 < copies < G else G
+        hf_full(hf, group.prompt, group.responses[:n], fn)
+        _sync(dev)
+        secs = (time.perf_counter() - t0) * G / n
+        phases = {"branches": secs}
+        if n == G:
+            grads = hf_to_mcore(_grads_hf(hf), m)
+    elif path == "hf_cache":
+        pre = hf_cache(hf, group.prompt, group.responses, fn)
+        _sync(dev)
+        secs = time.perf_counter() - t0
+        phases = {"prompt": pre, "branches": secs - pre}
+        grads = hf_to_mcore(_grads_hf(hf), m)
+    else:
+        mode, batched = path.split("_")[0], path.endswith("_batched")
+        r = type(rcfg)(**{**rcfg.__dict__, "mode": mode, "batch_branches": batched or rcfg.batch_branches})
+        st = process_group(model, group, r, gcfg)
+        _sync(dev)
+        secs = time.perf_counter() - t0
+        phases = {k: v for k, v in st.seconds.items() if k != "total"}
+        grads = gather_full(model, grads=True)
+    return secs, phases, grads
+
+
+def run_point(model, hf, m, group, rcfg, gcfg, paths=PATHS, copies: int = 0, warm: bool = True,
+              progress=print) -> dict:
+    """One (P, R, G) point: {path: {seconds, phases, cold_seconds, grad_rel_to_peer}}.
+
+    warm: each path runs twice and the second run is timed (a training loop's steady state: the first
+    run at a new size also pays the process's first touch of the memory its graphs take, ~2x our kept
+    capture at P=16K on the CPU, where glibc keeps the freed heap for the next step); the first
+    run's seconds are kept as `cold_seconds`."""
+    from longstraw_mcore.loss.grpo import advantages, group_loss_fn
+
+    fn = group_loss_fn(group, gcfg, advantages(group.rewards, gcfg))
     G = len(group.responses)
     out, grads = {}, {}
     for path in paths:
-        hf.zero_grad(set_to_none=True)
-        model.zero_grad(set_to_none=True)
-        _sync(dev)
-        t0 = time.perf_counter()
-        phases = {}
-        if path == "hf_full":
-            n = copies if 0 < copies < G else G
-            hf_full(hf, group.prompt, group.responses[:n], fn)
-            _sync(dev)
-            secs = (time.perf_counter() - t0) * G / n
-            phases = {"branches": secs}
-            if n == G:
-                grads[path] = hf_to_mcore(_grads_hf(hf), m)
-        elif path == "hf_cache":
-            pre = hf_cache(hf, group.prompt, group.responses, fn)
-            _sync(dev)
-            secs = time.perf_counter() - t0
-            phases = {"prompt": pre, "branches": secs - pre}
-            grads[path] = hf_to_mcore(_grads_hf(hf), m)
-        else:
-            mode, batched = path.split("_")[0], path.endswith("_batched")
-            r = type(rcfg)(**{**rcfg.__dict__, "mode": mode, "batch_branches": batched or rcfg.batch_branches})
-            st = process_group(model, group, r, gcfg)
-            _sync(dev)
-            secs = time.perf_counter() - t0
-            phases = {k: v for k, v in st.seconds.items() if k != "total"}
-            grads[path] = gather_full(model, grads=True)
+        cold = _run_path(path, model, hf, m, group, rcfg, gcfg, fn, copies)[0] if warm else None
+        secs, phases, g = _run_path(path, model, hf, m, group, rcfg, gcfg, fn, copies)
+        if g is not None:
+            grads[path] = g
         out[path] = {"seconds": secs, "phases": phases}
+        if cold is not None:
+            out[path]["cold_seconds"] = cold
         if path == "hf_full" and copies and copies < G:
             out[path]["copies_run"] = copies
-        progress(f"  {path:>16}: {secs:8.2f} s  " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+        progress(f"  {path:>16}: {secs:8.2f} s  " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+                 + (f"  (first run {cold:.2f} s)" if cold is not None else ""))
     for ours, peer in (("detached", "hf_cache"), ("exact", "hf_full"), ("detached_batched", "hf_cache"),
                        ("exact_batched", "hf_full")):
         if ours in grads and peer in grads:
