@@ -84,14 +84,14 @@ def measure_memory(fn: Callable[[], object], device: torch.device) -> tuple[obje
     # Every CPU allocation and free while profiling, with the allocator's running total of tracked
     # allocations (tensors that existed before profiling are neither counted nor subtracted).
     totals = []
-
-    def walk(events):
-        for e in events:
-            if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-                totals.append((e.start_time_ns, e.extra_fields.total_allocated, e.extra_fields.alloc_size))
-            walk(e.children)
-
-    walk(prof.profiler.kineto_results.experimental_event_tree())
+    cpu_alloc = _EventType.Allocation
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:  # (a loop, not recursion: a capture makes millions of events)
+        e = stack.pop()
+        if e.tag == cpu_alloc and e.extra_fields.device.type == "cpu":
+            f = e.extra_fields
+            totals.append((e.start_time_ns, f.total_allocated, f.alloc_size))
+        stack.extend(e.children)
     if not totals:
         return out, 0, 0, "cpu allocator totals (profiler allocation events)"
     totals.sort()
