@@ -70,6 +70,9 @@ class _Loader(importlib.abc.Loader):
     def __init__(self, inner):
         self.inner = inner
 
+    def __getattr__(self, name):  # get_source, get_data, get_resource_reader, ... (inspect, resources)
+        return getattr(self.inner, name)
+
     def create_module(self, spec):
         return self.inner.create_module(spec)
 

@@ -24,6 +24,8 @@ assert 'torch._inductor' not in sys.modules and 'torch._dynamo' not in sys.modul
 assert torch.compile is real
 assert jit.jit_fuser.__wrapped_compile__ is real
 assert router.InferenceTopKRouter._compiled_topk_routing.__lazy_compile__
+import inspect
+assert "def _apply_expert_bias" in inspect.getsource(router.TopKRouter)  # the loader still serves sources
 from longstraw_mcore import cpu_compat
 from megatron.core.transformer.utils import gelu_impl
 cpu_compat.enable("cpu")
