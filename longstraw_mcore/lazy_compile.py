@@ -3,8 +3,8 @@
 Megatron-Core decorates functions with `torch.compile` when its modules are imported: megatron/core/
 jit.py binds `jit_fuser = torch.compile` for a dozen fusion modules, and transformer/moe/router.py uses
 `@torch.compile` directly (`import megatron.core` imports them all). Decorating calls `torch.compile`,
-which imports torch._dynamo and torch._inductor: 1-2 s of every process's start, for functions a CPU run
-never calls (its TransformerConfig turns the fusions off, cpu_compat.py). `install()` puts an import
+which imports torch._dynamo and torch._inductor: 1-2 s of every process's start, mostly for functions a
+CPU run never calls (its TransformerConfig turns the fusions off, cpu_compat.py). `install()` puts an import
 hook in front of every `megatron.*` module: while one executes, `torch.compile` is `lazy(torch.compile)`,
 which decorates without compiling; the function is compiled by the real `torch.compile`, with the same
 arguments, at its first call, so a run that calls it behaves as before. Outside Megatron's module
@@ -17,9 +17,9 @@ mode and recompiles 6 times (measured on a 4-rank GLM test: 27 s, 16.5 s with dy
 uncompiled function is the one Megatron wrote, the compiled one's reference.
 
 Installed by longstraw_mcore/__init__.py (no torch import there); a process that imported megatron.core
-before longstraw_mcore keeps Megatron's eager decoration. tests/unit/test_lazy_compile.py checks both halves:
-`import megatron.core` after `import longstraw_mcore` does not import torch._inductor, and a lazily
-decorated function gives the compiled function's result.
+before longstraw_mcore keeps Megatron's eager decoration. tests/unit/test_lazy_compile.py checks both
+halves: `import megatron.core` after `import longstraw_mcore` does not import torch._inductor, and a
+lazily decorated function gives the compiled function's result.
 """
 
 from __future__ import annotations

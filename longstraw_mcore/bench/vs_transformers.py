@@ -124,8 +124,9 @@ def _worst(ours: dict, ref: dict) -> tuple[float, str]:
     return _rel(ours[worst], ref[worst]), worst
 
 
-def _run_path(path, model, hf, m, group, rcfg, gcfg, fn, copies: int):
-    """One timed run of `path`: (seconds, phases, gradient in our naming or None)."""
+def _run_path(path, model, hf, m, group, rcfg, gcfg, fn, copies: int, keep_grads: bool = True):
+    """One timed run of `path`: (seconds, phases, gradient in our naming, or None: not all branches
+    run, or not `keep_grads`)."""
     from longstraw_mcore.checkpoint.full_state import gather_full
     from longstraw_mcore.checkpoint.qwen3_5 import hf_to_mcore
     from longstraw_mcore.replay.group_step import process_group
@@ -143,14 +144,14 @@ def _run_path(path, model, hf, m, group, rcfg, gcfg, fn, copies: int):
         _sync(dev)
         secs = (time.perf_counter() - t0) * G / n
         phases = {"branches": secs}
-        if n == G:
+        if n == G and keep_grads:
             grads = hf_to_mcore(_grads_hf(hf), m)
     elif path == "hf_cache":
         pre = hf_cache(hf, group.prompt, group.responses, fn)
         _sync(dev)
         secs = time.perf_counter() - t0
         phases = {"prompt": pre, "branches": secs - pre}
-        grads = hf_to_mcore(_grads_hf(hf), m)
+        grads = hf_to_mcore(_grads_hf(hf), m) if keep_grads else None
     else:
         mode, batched = path.split("_")[0], path.endswith("_batched")
         r = type(rcfg)(**{**rcfg.__dict__, "mode": mode, "batch_branches": batched or rcfg.batch_branches})
@@ -158,7 +159,7 @@ def _run_path(path, model, hf, m, group, rcfg, gcfg, fn, copies: int):
         _sync(dev)
         secs = time.perf_counter() - t0
         phases = {k: v for k, v in st.seconds.items() if k != "total"}
-        grads = gather_full(model, grads=True)
+        grads = gather_full(model, grads=True) if keep_grads else None
     return secs, phases, grads
 
 
@@ -176,7 +177,7 @@ def run_point(model, hf, m, group, rcfg, gcfg, paths=PATHS, copies: int = 0, war
     G = len(group.responses)
     out, grads = {}, {}
     for path in paths:
-        cold = _run_path(path, model, hf, m, group, rcfg, gcfg, fn, copies)[0] if warm else None
+        cold = _run_path(path, model, hf, m, group, rcfg, gcfg, fn, copies, keep_grads=False)[0] if warm else None
         secs, phases, g = _run_path(path, model, hf, m, group, rcfg, gcfg, fn, copies)
         if g is not None:
             grads[path] = g

@@ -2,8 +2,9 @@
 modules a run imports: models, optimizer, the MoE router, the pipeline schedules) leaves torch._dynamo
 and torch._inductor unimported, Megatron's decorations wrap torch's own `torch.compile`, and
 `torch.compile` is torch's again afterwards; on the CPU (cpu_compat.enable) such a function runs
-uncompiled (Megatron's gelu: its own formula, nothing compiled); elsewhere a lazily decorated function compiles once, at its first
-call, with the decoration's arguments, and returns what the compiled function returns."""
+uncompiled (Megatron's gelu: its own formula, nothing compiled); elsewhere a lazily decorated function
+compiles once, at its first call, with the decoration's arguments, and returns what the compiled
+function returns."""
 
 from __future__ import annotations
 
