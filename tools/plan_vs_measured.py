@@ -64,6 +64,15 @@ CPU_POINTS = [
      ["adapter.rank=4", "adapter.base_dtype=nf4", "replay.mode=detached"], 300, 96, 4, []),
     ("qwen tiny f32 QLoRA nf4 r4 exact TP=2", "configs/qwen3.6-tiny.yaml",
      ["adapter.rank=4", "adapter.base_dtype=nf4", "replay.mode=exact"], 300, 96, 2, ["parallel.tp=2"]),
+    # the attention kernels' own moments: flash's capture on a model of attention layers only (no score
+    # blocks), and the plain twin's score blocks (ops.attention=plain) in the capture and under recompute
+    ("qwen tiny bf16 attention layers detached P=1200", "configs/qwen3.6-tiny.yaml",
+     ["model.num_layers=2", "model.full_attention_interval=1", "model.intermediate_size=8", "model.dtype=bfloat16",
+      "replay.mode=detached"], 1200, 32, 2, []),
+    ("qwen tiny f32 detached P=1200, twin", "configs/qwen3.6-tiny.yaml",
+     ["replay.mode=detached", "ops.attention=plain"], 1200, 64, 2, []),
+    ("qwen tiny f32 exact chunk 96, recompute=layer, twin", "configs/qwen3.6-tiny.yaml",
+     ["replay.mode=exact", "replay.chunk_len=96", "memory.recompute=layer", "ops.attention=plain"], 300, 96, 4, []),
     # the memory switches (config/memory.py): device and host bytes apart
     ("qwen tiny f32 detached P=1200", "configs/qwen3.6-tiny.yaml", ["replay.mode=detached"], 1200, 64, 2, []),
     ("qwen tiny f32 detached, recompute=layer", "configs/qwen3.6-tiny.yaml",
@@ -110,6 +119,7 @@ def _cpu_worker(rank, world_size, points, device: str = "cpu"):
     from longstraw_mcore.families import get_family
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.memory.layers import apply
+    from longstraw_mcore.ops.dispatch import configure
     from longstraw_mcore.planner.memory import step_host_bytes, step_peak_bytes
     from longstraw_mcore.replay.group_step import process_group
 
@@ -117,6 +127,7 @@ def _cpu_worker(rank, world_size, points, device: str = "cpu"):
     for name, config, overrides, P, R, G, layout in points:
         cfg = load_config(os.path.join(ROOT, config), [*overrides, *layout, f"device={device}"])
         par = setup_parallel(cfg)
+        configure(cfg.ops)  # (the kernels the point names; the default choices otherwise)
         m = cfg.model
         family = get_family(m.family)
         model = family.build_model(m, par, device)
@@ -280,7 +291,7 @@ def h200_rows(path: str = H200) -> list[dict]:
     rows = []
     for r in data["rows"]:
         cfg = load_config(os.path.join(ROOT, "configs", "qwen3.6-27b.yaml"),
-                          ["model.num_layers=4", "parallel.tp=1", "parallel.pp=1", f"replay.mode={r['mode']}",
+                          ["model.num_layers=4", "parallel.tp=1", "parallel.pp=1", "ops.attention=plain", f"replay.mode={r['mode']}",
                            f"replay.chunk_len={r['chunk_len']}", f"replay.attn_probs_budget_mib={r['attn_probs_budget_mib']}"])
         rows.append({"name": f"qwen3.6-27b 4 layers {r['mode']}", "where": "H200 (measured, bench27b.json)",
                      "config": "configs/qwen3.6-27b.yaml", "P": r["P"], "R": r["R"], "G": r["G"], "mode": r["mode"],

@@ -10,8 +10,9 @@ from functools import partial
 from longstraw_mcore.checkpoint import qwen3_5 as checkpoint
 from longstraw_mcore.config import Qwen35Config
 from longstraw_mcore.families.record import Family
-from longstraw_mcore.planner.activations import (attention_bytes, attention_score_blocks, attention_scratch_bytes,
-                                                 gdn_bytes, hybrid_layer_bytes, zero_centred_norm_bytes)
+from longstraw_mcore.planner.activations import (attention_backward_scratch, attention_bytes, attention_capture_bytes,
+                                                 gdn_backward_scratch, gdn_bytes, gdn_capture_bytes, hybrid_layer_bytes,
+                                                 zero_centred_norm_bytes)
 from longstraw_mcore.planner.flops_hybrid import GatedAttentionFlops, GatedDeltaNetFlops
 from longstraw_mcore.prompt_state.attention_kv import AttentionKV
 from longstraw_mcore.prompt_state.gdn import GDNRecurrentState
@@ -20,9 +21,10 @@ from longstraw_mcore.prompt_state.kinds import LayerKind
 LAYERS = {
     "full_attention": LayerKind(state=AttentionKV, activation_bytes=partial(hybrid_layer_bytes, attention_bytes),
                                 norm_bytes=zero_centred_norm_bytes, flops=GatedAttentionFlops(),
-                                scratch_bytes=attention_scratch_bytes, backward_scratch=attention_score_blocks),
+                                capture_bytes=attention_capture_bytes, backward_scratch=attention_backward_scratch),
     "linear_attention": LayerKind(state=GDNRecurrentState, activation_bytes=partial(hybrid_layer_bytes, gdn_bytes),
-                                  norm_bytes=zero_centred_norm_bytes, flops=GatedDeltaNetFlops()),
+                                  norm_bytes=zero_centred_norm_bytes, flops=GatedDeltaNetFlops(),
+                                  capture_bytes=gdn_capture_bytes, backward_scratch=gdn_backward_scratch),
 }
 
 

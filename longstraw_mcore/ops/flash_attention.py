@@ -46,9 +46,9 @@ import torch
 
 from longstraw_mcore.ops import block_attention as plain
 from longstraw_mcore.ops.attention_merge import merge_partials, work_dtype
+from longstraw_mcore.ops.kernel_choice import attention_kernel_name
 
 DTYPES = (torch.bfloat16, torch.float16)
-CPU_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 def available(q: torch.Tensor | None = None) -> bool:
@@ -59,11 +59,9 @@ def available(q: torch.Tensor | None = None) -> bool:
 
 
 def supports(q: torch.Tensor) -> bool:
-    """The op exists for q's device and dtype (the CPU op's value head dim is checked per call: a key set
-    whose values have another head dim than the queries runs on the plain twin)."""
-    if q.device.type == "cpu":
-        return q.dtype in CPU_DTYPES
-    return q.is_cuda and q.dtype in DTYPES and q.shape[-1] <= 256
+    """The op exists for q's device and dtype (ops/kernel_choice.py's rule; the CPU op's value head dim is
+    checked per call: a key set whose values have another head dim than the queries runs on the plain twin)."""
+    return attention_kernel_name("flash", q.device.type, str(q.dtype).removeprefix("torch."), q.shape[-1]) == "flash"
 
 
 def _ops(q: torch.Tensor):
@@ -212,14 +210,15 @@ def partial_backward(q, k, v, do, delta, lse, q_start: int, k_start: int, scale:
         gv[:, k0:k1] += e
     if need_q:
         dq = gq.reshape(B, T, Hq, D).to(work).transpose(1, 2).contiguous()
-    gk, gv = gk.to(work), gv.to(work)                                      # [B or 1, S', Hk, *]
-    if Bk == 1 and gk.shape[0] > 1:
-        gk, gv = gk.sum(0, keepdim=True), gv.sum(0, keepdim=True)
-    if sink is not None:
-        sink[0][:, :s_vis] += (gk * sink_scale if sink_scale != 1.0 else gk).to(sink[0].device)  # a host sink:
-        sink[1][:, :s_vis] += (gv * sink_scale if sink_scale != 1.0 else gv).to(sink[1].device)  # state offload
+    if sink is None and not (need_k or need_v):  # (the prompt state in detached mode: the op's dK / dV unused,
+        return dq, None, None                    # not copied to the work dtype)
+    if Bk == 1 and gk.shape[0] > 1:  # [B, S', Hk, *] expanded over the batch: summed in the work dtype
+        gk, gv = gk.to(work).sum(0, keepdim=True), gv.to(work).sum(0, keepdim=True)
+    if sink is not None:  # (memory.state_offload: a host sink gets the op's dtype over the wire, added in its own)
+        for dst, g in zip(sink, (gk, gv)):
+            dst[:, :s_vis] += (g.to(dst.device, dst.dtype) * sink_scale if sink_scale != 1.0 else g.to(dst.device))
         return dq, None, None
-    if need_k:
+    if need_k:  # (the copy converts to the work dtype)
         dk[:, :, :s_vis] = gk.transpose(1, 2)
     if need_v:
         dv[:, :, :s_vis] = gv.transpose(1, 2)

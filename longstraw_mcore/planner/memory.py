@@ -32,18 +32,14 @@ stage and TP rank):
                      categories on the host instead (planner/state.py); Gated DeltaNet's state stays
     prompt_state_grad exact mode: the state gradient accumulators (analytic_grad_bytes); with
                      memory.state_offload the position-sized kinds' on the host (GDN's stay)
-    activations      the worst phase of the step (phase_bytes): a branch's saved tensors through the
-                     stage's layers (planner/activations.py, derived from the code op by op) plus the
-                     log-prob chunk's logits and the output layer's weight gradient; or, in exact
-                     mode, one capture chunk's saved tensors in the prompt backward; or the capture's
-                     widest layer. With plain `.grad` tensors (grads="plain", a model without DDP as
-                     tools/bench_replay.py runs it) the gradients and exact mode's state gradients do
-                     not exist yet while the prompt is captured, so the capture is set against the
-                     other phases without them (the term is what the sum needs to reach that peak).
-                     memory.recompute=layer: each layer keeps only its input [T, hidden] x e, and one
-                     layer at a time is recomputed in the backward. memory.state_offload or fp8 state
-                     (both stage the state): one layer's position-sized state in the model dtype, in
-                     every phase. memory.mla_query_block: GLM's top-k terms for one query block
+    activations      the worst phase of the step (phase_bytes, planner/activations.py: derived from
+                     the code op by op): a branch's saved tensors through the stage's layers plus the
+                     log-prob chunk's logits and the output layer's weight gradient; or (exact) one
+                     capture chunk's saved tensors in the prompt backward; or the capture's worst
+                     layer moment, per attention kernel. With plain `.grad` tensors (grads="plain", as
+                     tools/bench_replay.py runs) the gradients and state gradients do not exist yet
+                     while the prompt is captured: the capture is set against the other phases without
+                     them. memory.recompute=layer, state staging, memory.mla_query_block: phase_bytes
     comm_buffers     CUDA: NCCL's communicator buffers (an estimate, 256 MiB per rank); gloo: none
                      (Megatron DDP's buckets are views into the gradient buffer, counted above)
     allocator_slack  CUDA: 5% of everything else (the caching allocator's fragmentation); CPU: none
@@ -223,27 +219,23 @@ def _stage_weights(family, cfg, stages: list[int], s: int) -> tuple[int, int]:
     return weights, n
 
 
-def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: bool) -> dict:
+def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: bool, kernels: str = "cuda") -> dict:
     """{phase: bytes} that one rank of the stage holding global layers `stage` allocates on top of the
     parameters, gradients, optimizer and prompt state during each phase (its worst moment):
 
-      capture          one layer's intermediates for a chunk (no autograd: they are freed layer by layer),
-                       an upper bound, or, where larger, the moment of its scores (the kind's
-                       scratch_bytes: attention's score blocks, the DSA indexer's, with what is alive
-                       beside them)
+      capture          one layer's worst moment for a chunk (no autograd): the kind's capture_bytes,
+                       counted per attention kernel (Qwen's), else its intermediates (an upper bound)
+                       or, where larger, its scores' moment (scratch_bytes: the DSA indexer's)
       replay           every layer's saved tensors for R tokens (G x R with replay.batch_branches),
-                       plus the larger of one layer's backward (gradients the size of its saved
-                       tensors) and, on the last stage, the log-prob chunk's worst moment: while it is
-                       recomputed the logits (model dtype), their float32 copy, the shifted values and
-                       their exp; in the output layer's backward the logits' gradient and the weight
-                       gradient before it is added to .grad / main_grad; exact mode adds one layer's
-                       state gradient before it is accumulated.
-                       memory.recompute=layer: every layer's input [T, hidden] x e instead of its saved
-                       tensors, and a layer's backward holds its recomputed saved tensors and its
-                       backward's scratch (the kind's backward_scratch: attention's recomputed score
-                       blocks); the gradients it makes take the place of the saved tensors they consume
-                       (measured: the exact-mode replay's peak is an attention layer's backward at its
-                       score blocks)
+                       plus the larger of one layer's backward (the twin: its saved tensors' worth,
+                       score blocks included; flash: the kinds' backward_scratch) and, on the last
+                       stage, the log-prob chunk's worst moment: while it is recomputed the logits,
+                       their float32 copy, the shifted values and their exp; in the output layer's
+                       backward the logits' gradient and the weight gradient; exact mode adds one
+                       layer's state gradient before it is accumulated. memory.recompute=layer: every
+                       layer's input [T, hidden] x e instead of its saved tensors, and a layer's
+                       backward holds its recomputed saved tensors and its backward_scratch (the
+                       gradients it makes take the place of the saved tensors they consume)
       prompt_backward  exact mode: every layer's saved tensors for one capture chunk (the last layer
                        only as far as its state) and one layer's state gradient; with
                        replay.keep_prompt_graph_mib the kept capture chunks' saved tensors join the
@@ -260,7 +252,10 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     Every phase adds, with state staging (memory.state_offload or state_dtype=fp8), the largest layer's
     position-sized state in the model dtype (planner/state.py staging_bytes); memory.mla_query_block
     shrinks GLM's per-query top-k terms (planner/activations.py mla_bytes).
-    Token counts are this rank's: a chunk's 1/cp under context parallelism, branches whole."""
+    Token counts are this rank's: a chunk's 1/cp under context parallelism, branches whole.
+    `kernels` ("cpu" / "cuda"): where they run; ops.attention's kernel there (ops/kernel_choice.py) sets
+    the attention terms."""
+    from longstraw_mcore.ops.kernel_choice import attention_kernel_name
     from longstraw_mcore.parallel.cp import gdn_path
     from longstraw_mcore.planner.activations import kind_bytes
     from longstraw_mcore.planner.state import staging_bytes
@@ -278,15 +273,16 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     one_grad = max(analytic_state_grad_bytes(layers, m, p.tp, captured, [t]) for t in types) if exact else 0
     last = stage[-1] if last_stage else None
     wide = gdn_path(m, p.tp, p.cp) == "sequence"  # a chunk's GDN rule on values Dk wider (parallel/cp_gdn.py)
+    attention = attention_kernel_name(cfg.ops.attention, kernels, m.dtype, getattr(m, "head_dim", 0), planner=True)
 
     def rows(i):  # the prompt positions layer i reads on this rank (MLA latents: striped over TP too)
         return layers[lt[i]].state.rows(captured, p.tp)
 
-    def scratch(T, i):  # layer i's capture peak where its scores are the widest moment (attention's, the indexer's)
-        return layers[lt[i]].scratch_bytes(m, T, rows(i), p.tp)
+    def scratch(T, i):  # layer i's capture moment: counted (capture_bytes) or its scores' (the indexer's)
+        return layers[lt[i]].capture_moment(m, T, rows(i), p.tp, attention)
 
     def backward_scratch(T, i, keys):  # what layer i's backward makes beside its saved tensors (score blocks)
-        return layers[lt[i]].backward_scratch(m, T, keys, p.tp)
+        return layers[lt[i]].backward_scratch(m, T, keys, p.tp, attention)
 
     def one(T, own, i, produce_only=False):  # own = 0: a prompt chunk (its own keys are the state's); own = T: branches
         return kind_bytes(layers[lt[i]], m, p.tp, T, i, rows(i) + own, produce_only=produce_only, query_block=qb,
@@ -301,14 +297,17 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     def inputs(T):  # memory.recompute=layer: what each layer keeps for its backward
         return len(stage) * T * m.hidden_size * e
 
-    def capture(i):  # layer i's capture of a chunk: its intermediates (an upper bound) or its scores' moment
-        return max(one(chunk, 0, i), scratch(chunk, i))
+    def capture(i):  # layer i's capture of a chunk: its counted moment, or its intermediates (an upper bound)
+        counted = layers[lt[i]].capture_bytes is not None and not wide  # (or its scores' moment)
+        return scratch(chunk, i) if counted else max(one(chunk, 0, i), scratch(chunk, i))
 
     out = {"capture": max(capture(i) for i in stage)}
     T = R * (G if rc.batch_branches else 1)
     if recompute:  # one layer's backward: its recomputed saved tensors and its backward's scratch
         top = max(one(T, T, i) + backward_scratch(T, i, max(rows(i), T)) for i in stage)
-    else:
+    elif attention != "plain":  # flash: one layer's backward, what it makes beside its saved tensors
+        top = max(backward_scratch(T, i, max(rows(i), T)) for i in stage)
+    else:  # (the twin's: its score blocks, as one layer's saved tensors' worth)
         top = widest(T, T)
     if last_stage:
         c = min(rc.logprob_chunk, R) * (G if rc.batch_branches else 1)
@@ -393,7 +392,7 @@ def stage_plan(family, cfg, P: int, R: int, G: int, world_size: int, s: int, on_
     weights, n = stage_weights(family, cfg, stages, s)
     out, host = {"weights": weights}, {"gradients": 0}
     sharded = t.distributed_optimizer or t.grad_reduction == "micro_step"
-    phases = phase_bytes(family, cfg, P, R, G, layers, s == p.pp - 1)
+    phases = phase_bytes(family, cfg, P, R, G, layers, s == p.pp - 1, "cuda" if on_cuda else "cpu")
     later = max(v for k, v in phases.items() if k != "capture")
     if t.grad_reduction == "micro_step":
         out["gradients"], staged = micro_step_gradients(family, cfg, stages, s, n, shards, later, grads == "plain")
@@ -458,7 +457,7 @@ def step_peak_bytes(family, cfg, P: int, R: int, G: int, world_size: int, cuda: 
     tools/plan_vs_measured.py): plain `.grad` tensors allocated in the step, the prompt state and its
     gradient, the worst phase's activations, and (CUDA) the allocator slack on those. Device bytes;
     `step_host_bytes` is the host side."""
-    per = plan_memory(family, cfg, P, R, G, world_size, cuda=False, grads="plain")
+    per = plan_memory(family, cfg, P, R, G, world_size, cuda=cuda, grads="plain")  # (its kernels; no NCCL / slack terms)
     return int(sum(per[k] for k in STEP_COMPONENTS) * (1 + (SLACK if cuda else 0)))
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 
-def _none(m, T: int, keys: int, tp: int = 1) -> int:
+def _none(m, T: int, keys: int, tp: int = 1, attention: str = "plain") -> int:
     return 0
 
 
@@ -30,9 +30,20 @@ class LayerKind:
     """Its FLOP counts per phase (planner/flops.py's `LayerFlops` interface)."""
     scratch_bytes: Callable = _none
     """(m, T, keys, tp) -> the layer's capture peak for T tokens (no autograd) where its scores are the
-    widest moment: attention's block of scores, the DSA indexer's, each with what is alive beside them.
-    The planner takes the larger of this and `activation_bytes` (its other intermediates, an upper bound)."""
+    widest moment: the DSA indexer's with what is alive beside it. Without `capture_bytes` the planner
+    takes the larger of this and `activation_bytes` (its other intermediates, an upper bound)."""
+    capture_bytes: Callable | None = None
+    """(m, T, keys, tp, attention) -> the layer's capture peak for T tokens (no autograd), counted at its
+    worst moment (mixer or MLP) for the attention kernel that runs ("plain" / "flash",
+    ops/kernel_choice.py); where set, the planner takes it alone (planner/activations.py)."""
     backward_scratch: Callable = _none
-    """(m, T, keys, tp) -> what the layer's backward makes beside its saved tensors (attention's score
-    blocks, recomputed from the log-sum-exp): with memory.recompute=layer, a layer's backward holds its
-    recomputed saved tensors and this."""
+    """(m, T, keys, tp, attention) -> what the layer's backward makes beside its saved tensors (plain
+    attention: its score blocks, recomputed from the log-sum-exp; flash: the op's row terms and
+    gradients): with memory.recompute=layer, a layer's backward holds its recomputed saved tensors and
+    this."""
+
+    def capture_moment(self, m, T: int, keys: int, tp: int, attention: str) -> int:
+        """The capture's counted moment (`capture_bytes`), or where a kind has none its scores' moment."""
+        if self.capture_bytes is not None:
+            return self.capture_bytes(m, T, keys, tp, attention)
+        return self.scratch_bytes(m, T, keys, tp)

@@ -175,8 +175,8 @@ def test_dispatch_and_overrides(monkeypatch):
     from longstraw_mcore.ops import block_attention, dispatch, flash_attention
 
     q = torch.randn(1, 2, 4, 8)
-    for dt in (torch.float32, torch.float64, torch.bfloat16):                   # CPU: the twin unless asked
-        assert dispatch.attention_kernel(q.to(dt)) is block_attention
+    for dt in (torch.float32, torch.float64, torch.bfloat16):                   # CPU: torch's fused op
+        assert dispatch.attention_kernel(q.to(dt)) is flash_attention
     with dispatch.override(attention="plain"):
         assert dispatch.attention_kernel(q) is block_attention
     with dispatch.override(attention="flash"):
@@ -194,3 +194,23 @@ def test_dispatch_and_overrides(monkeypatch):
     with pytest.raises(ConfigError, match="ops.gdn"):
         OpsConfig(gdn="fast")
     assert load_config("configs/qwen3.6-tiny.yaml", ["ops.attention=plain"]).ops.attention == "plain"
+
+
+def test_planner_kernel_name_is_the_dispatch_choice():
+    """ops/kernel_choice.py names, from names alone, the kernel the dispatch takes for real tensors (the
+    planner's attention terms follow it): every choice x CPU dtype x head dims; CUDA's rule by name."""
+    from longstraw_mcore.ops import block_attention, dispatch, flash_attention
+    from longstraw_mcore.ops.kernel_choice import attention_kernel_name
+
+    for choice in ("auto", "plain", "flash"):
+        for dt in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+            q = torch.randn(1, 2, 4, 8, dtype=dt)
+            with dispatch.override(attention=choice):
+                kern = dispatch.attention_kernel(q)
+            name = attention_kernel_name(choice, "cpu", str(dt).removeprefix("torch."), 8)
+            assert (kern is flash_attention) == (name == "flash") and (kern is block_attention) == (name == "plain")
+        assert attention_kernel_name(choice, "cpu", "float32", 8, value_head_dim=16) == "plain"  # (the op needs Dv = D)
+    assert [attention_kernel_name("auto", "cuda", d, 128) for d in ("bfloat16", "float16", "float32")] == \
+        ["flash", "flash", "plain"]
+    assert attention_kernel_name("auto", "cuda", "bfloat16", 512) == "plain"          # head dim > 256
+    assert attention_kernel_name("flash", "meta", "bfloat16", 64) == "plain"

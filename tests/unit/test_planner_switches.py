@@ -95,7 +95,8 @@ def test_exact_offload_moves_the_position_sized_gradients():
 
 def test_recompute_keeps_each_layers_input_and_one_layer():
     from longstraw_mcore.families import get_family
-    from longstraw_mcore.planner.activations import (attention_score_blocks, attention_scratch_bytes, layer_bytes,
+    from longstraw_mcore.planner.activations import (attention_score_blocks, attention_scratch_bytes, gdn_backward_scratch,
+                                                     gdn_capture_bytes, layer_bytes, mlp_moment_bytes,
                                                      zero_centred_norm_bytes)
     from longstraw_mcore.planner.memory import phase_bytes
     from longstraw_mcore.prompt_state.containers import analytic_state_grad_bytes
@@ -115,21 +116,23 @@ def test_recompute_keeps_each_layers_input_and_one_layer():
         got0 = phase_bytes(fam, base, Pt, R, G, range(L), True)
         got = phase_bytes(fam, rec, Pt, R, G, range(L), True)
         assert got0["replay"] == sum(per) + max(max(per), logits) + norm + one_grad
-        # one layer's backward at a time: its recomputed saved tensors and (attention) its score blocks,
-        # recomputed from the log-sum-exp over the prompt's rows
-        bwd = [per[i] + (attention_score_blocks(m, R, cap, 1) if m.layer_types[i] == "full_attention" else 0)
-               for i in range(L)]
+        # one layer's backward at a time: its recomputed saved tensors and what its backward makes (attention:
+        # its score blocks recomputed from the log-sum-exp over the prompt's rows; Gated DeltaNet: its maps' gradients)
+        bwd = [per[i] + (attention_score_blocks(m, R, cap, 1) if m.layer_types[i] == "full_attention"
+                         else gdn_backward_scratch(m, R)) for i in range(L)]
         assert got["replay"] == L * R * Hd * e + max(max(bwd), logits) + norm + one_grad
         assert got["capture"] == got0["capture"]
         if mode == "exact":
-            # a layer run again with autograd: the larger of its forward's scores moment (attention: the
-            # capture's score blocks and what is alive beside them) and its backward's (its saved tensors
-            # and the score blocks recomputed from the log-sum-exp)
+            # a layer run again with autograd: the larger of its forward's capture moment (attention: the
+            # capture's score blocks and what is alive beside them, or the MLP's; Gated DeltaNet: its
+            # rule's end) and its backward's (its saved tensors and, attention, the score blocks
+            # recomputed from the log-sum-exp)
             def sweep_layer(i):
                 own = layer_bytes(fam.layers, m, 1, chunk, i, cap, produce_only=i == L - 1)
                 if m.layer_types[i] != "full_attention":
-                    return own
-                return max(attention_scratch_bytes(m, chunk, cap, 1), own + attention_score_blocks(m, chunk, cap, 1))
+                    return max(gdn_capture_bytes(m, chunk, cap, 1), own + gdn_backward_scratch(m, chunk))
+                moment = max(attention_scratch_bytes(m, chunk, cap, 1), mlp_moment_bytes(m, chunk, 1))
+                return max(moment, own + attention_score_blocks(m, chunk, cap, 1))
             sweep = max(sweep_layer(i) for i in range(L))
             assert got["prompt_backward"] == L * chunk * Hd * e + sweep + one_grad
 
@@ -302,9 +305,10 @@ def test_plain_gradients_do_not_exist_while_the_prompt_is_captured():
 
     fam = get_family("qwen3_5")
     for mode, P in (("detached", 1200), ("exact", 1200), ("exact", 300)):
-        cfg = _cfg("configs/qwen3.6-tiny.yaml", f"replay.mode={mode}", "memory.recompute=layer")
+        cfg = _cfg("configs/qwen3.6-tiny.yaml", f"replay.mode={mode}", "memory.recompute=layer",
+                   "ops.attention=plain")  # (the twin's score blocks make the capture the widest phase)
         L = cfg.model.num_layers
-        ph = phase_bytes(fam, cfg, P, 64, 2, range(L), True)
+        ph = phase_bytes(fam, cfg, P, 64, 2, range(L), True, "cpu")
         plain = plan_memory(fam, cfg, P, 64, 2, 1, cuda=False, grads="plain")
         train = plan_memory(fam, cfg, P, 64, 2, 1, cuda=False)
         later = max(v for k, v in ph.items() if k != "capture")
