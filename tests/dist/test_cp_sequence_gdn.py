@@ -59,6 +59,7 @@ def _flops(m, full, group, cp, chunk_len):
     from longstraw_mcore.checkpoint.full_state import load_full
     from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig
     from longstraw_mcore.families.qwen3_5 import LAYERS, build_model
+    from longstraw_mcore.ops.dispatch import override
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.planner.flops import step_flops
     from longstraw_mcore.replay.engine import capture
@@ -66,9 +67,6 @@ def _flops(m, full, group, cp, chunk_len):
 
     model = build_model(m, setup_parallel(RunConfig(model=m, parallel=ParallelConfig(cp=cp), device="cpu")), "cpu")
     load_full(model, full)
-    with FlopCounterMode(display=False) as fc:
-        capture(model, torch.tensor([group.prompt[:-1]]), ReplayConfig(chunk_len=chunk_len))
-    measured = {"capture": fc.get_total_flops()}
 
     class Sweep:  # a replay/watch.py Watch that counts the FLOPs of the prompt_backward steps
         sweep, at, label = 0, 0, ""
@@ -83,9 +81,15 @@ def _flops(m, full, group, cp, chunk_len):
             if step.phase == "prompt_backward":
                 self.sweep += fc.get_total_flops() - self.at
 
-    watch = Sweep()
-    with FlopCounterMode(display=False) as fc:
-        process_group(model, group, ReplayConfig(mode="exact", chunk_len=chunk_len), GRPOConfig(), watch=watch)
+    # the model counts the plain twin's attention (whole key blocks); FlopCounterMode has no formula for
+    # torch's fused CPU attention op, which ops.attention=auto takes on CPU
+    with override(attention="plain"):
+        with FlopCounterMode(display=False) as fc:
+            capture(model, torch.tensor([group.prompt[:-1]]), ReplayConfig(chunk_len=chunk_len))
+        measured = {"capture": fc.get_total_flops()}
+        watch = Sweep()
+        with FlopCounterMode(display=False) as fc:
+            process_group(model, group, ReplayConfig(mode="exact", chunk_len=chunk_len), GRPOConfig(), watch=watch)
     an = step_flops(LAYERS, m, len(group.prompt), [len(r) for r in group.responses], "exact", chunk_len, 1,
                     cp=cp)["algorithm"]
     return {"capture": (measured["capture"], an["capture"]), "sweep": (watch.sweep, an["prompt_backward"])}
