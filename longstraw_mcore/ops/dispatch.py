@@ -1,15 +1,17 @@
 """Which kernel an op runs. One function per op picks it from the tensors' device and dtype and the
 run's choice (`ops.*` in a run config, applied by `configure`):
 
-    attention   auto: flash (ops/flash_attention.py, torch's fused ops that return the log-sum-exp)
-                wherever it applies: on CPU torch's fused CPU op for every float dtype (bf16 / fp16 run
-                in float32; a key set whose values have another head dim than the queries runs the
-                twin, per call), on CUDA for bf16 / fp16 with head dim <= 256; the plain-torch twin
-                (ops/block_attention.py) otherwise (CUDA float32 / float64). plain: the twin
-                everywhere; flash: flash, and an error where it cannot run (comparisons must not
-                silently measure the twin). tests/unit/test_flash_adapter.py and
-                test_block_attention.py hold the op to the twin; ops/kernel_choice.py names the
-                kernel for the planner too (its memory terms follow the kernel that runs)
+    attention   auto: flash (ops/flash_attention.py, torch's fused ops that return the log-sum-exp) on
+                CUDA for bf16 / fp16 with head dim <= 256, the plain-torch twin (ops/block_attention.py)
+                otherwise; plain: the twin everywhere; flash: flash, and an error where it cannot run
+                (comparisons must not silently measure the twin). On CPU flash is torch's fused CPU op
+                for every float dtype (bf16 / fp16 run in float32; a key set whose values have another
+                head dim than the queries runs the twin, per call), opt-in for now: the planner models
+                it (checked by tools/plan_vs_measured.py's flash points), but with it the QLoRA exact
+                TP=2 point, an upper bound (the frozen base's saved tensors are not modelled), measures
+                13.5-15.0% over against its 15%. tests/unit/test_flash_adapter.py and
+                test_block_attention.py hold the op to the twin; ops/kernel_choice.py names the kernel
+                for the planner too (its memory terms follow the kernel that runs)
     gdn         auto: flash-linear-attention (ops/fla_gdn.py) for CUDA bf16 / fp16 where fla is installed
                 (the `gpu` extra), the plain chunked rule otherwise; plain / fla force one
 
@@ -51,6 +53,8 @@ def attention_kernel(q):
     if c == "plain":
         return block_attention
     ok = flash_attention.supports(q) and flash_attention.available(q)
+    if c == "auto" and q.device.type == "cpu":
+        return block_attention  # the CPU op is opt-in (ops.attention=flash): see the module docstring
     if c == "flash" and not ok:
         raise ValueError(f"ops.attention=flash needs CPU queries, or CUDA bf16/fp16 queries with head dim <= 256, and "
                          f"torch's flash op; got {q.device.type} {q.dtype}, head dim {q.shape[-1]} (use ops.attention=auto)")
