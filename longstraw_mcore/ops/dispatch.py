@@ -9,7 +9,7 @@ run's choice (`ops.*` in a run config, applied by `configure`):
                 head dim than the queries runs the twin, per call), opt-in for now: the planner models
                 it (checked by tools/plan_vs_measured.py's flash points), but with it the QLoRA exact
                 TP=2 point, an upper bound (the frozen base's saved tensors are not modelled), measures
-                13.5-15.0% over against its 15%. tests/unit/test_flash_adapter.py and
+                13.3-15.0% over against its 15%. tests/unit/test_flash_adapter.py and
                 test_block_attention.py hold the op to the twin; ops/kernel_choice.py names the kernel
                 for the planner too (its memory terms follow the kernel that runs)
     gdn         auto: flash-linear-attention (ops/fla_gdn.py) for CUDA bf16 / fp16 where fla is installed
