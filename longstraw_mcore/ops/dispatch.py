@@ -25,6 +25,7 @@ from contextlib import contextmanager
 
 from longstraw_mcore.config import OpsConfig
 from longstraw_mcore.ops import block_attention, fla_gdn, flash_attention, gated_delta
+from longstraw_mcore.ops.kernel_choice import attention_kernel_name
 
 _choice = OpsConfig()
 
@@ -50,11 +51,8 @@ def override(**choices):
 def attention_kernel(q):
     """The partial kernels (partial_forward / partial_backward) for queries `q`."""
     c = _choice.attention
-    if c == "plain":
-        return block_attention
-    ok = flash_attention.supports(q) and flash_attention.available(q)
-    if c == "auto" and q.device.type == "cpu":
-        return block_attention  # the CPU op is opt-in (ops.attention=flash): see the module docstring
+    name = attention_kernel_name(c, q.device.type, str(q.dtype).removeprefix("torch."), q.shape[-1])
+    ok = name == "flash" and flash_attention.available(q)  # (auto on CPU: the twin, the module docstring says why)
     if c == "flash" and not ok:
         raise ValueError(f"ops.attention=flash needs CPU queries, or CUDA bf16/fp16 queries with head dim <= 256, and "
                          f"torch's flash op; got {q.device.type} {q.dtype}, head dim {q.shape[-1]} (use ops.attention=auto)")

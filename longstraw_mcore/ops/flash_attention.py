@@ -46,7 +46,6 @@ import torch
 
 from longstraw_mcore.ops import block_attention as plain
 from longstraw_mcore.ops.attention_merge import merge_partials, work_dtype
-from longstraw_mcore.ops.kernel_choice import attention_kernel_name
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -56,12 +55,6 @@ def available(q: torch.Tensor | None = None) -> bool:
     if q is not None and q.device.type == "cpu":
         return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
     return torch.cuda.is_available() and hasattr(torch.ops.aten, "_flash_attention_forward")
-
-
-def supports(q: torch.Tensor) -> bool:
-    """The op exists for q's device and dtype (ops/kernel_choice.py's rule; the CPU op's value head dim is
-    checked per call: a key set whose values have another head dim than the queries runs on the plain twin)."""
-    return attention_kernel_name("flash", q.device.type, str(q.dtype).removeprefix("torch."), q.shape[-1]) == "flash"
 
 
 def _ops(q: torch.Tensor):
