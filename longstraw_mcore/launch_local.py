@@ -12,7 +12,9 @@ The fork server (one per calling process, started on first use) imports torch, M
 transformers' two model families once (`PRELOAD`, about 10 s of CPU); every rank of every later world
 is forked from it with those modules loaded, instead of importing them again per rank as `spawn` would.
 The fork server holds no threads, locks or process groups, so forking it is safe. Each rank gets the
-caller's environment as it is at the call (the fork server's own is from its start).
+caller's environment as it is at the call (the fork server's own is from its start). Where a CUDA device
+exists the ranks are spawned instead: those imports initialise CUDA in the fork server, and a forked
+child cannot initialise it again ("Cannot re-initialize CUDA in forked subprocess", seen on an H200).
 """
 
 from __future__ import annotations
@@ -92,8 +94,13 @@ def _kill(procs) -> None:
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:
     if not 1 <= world_size <= 8:
         raise ValueError(f"world_size={world_size}: run_ranks spawns 1 to 8 local ranks")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the fork server starts (first call)
+    import torch
+
+    if torch.cuda.is_available():  # the fork server's imports initialise CUDA, which a fork cannot re-initialise
+        ctx = mp.get_context("spawn")
+    else:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the fork server starts (first call)
     out = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)

@@ -8,7 +8,8 @@
 #                 gradient staging); tools/plan_vs_measured.py --points cuda:
 #                 the memory-switch points, device and host bytes planned against measured
 #   3 validate    `longstraw validate`, tiny, float64, exact, the same HF weights on CUDA and on CPU;
-#                 tools/compare_validate.py -> validate_compare.json (loss, log-probs, grads <= 1e-10)
+#                 tools/compare_validate.py -> validate_compare.json (loss, log-probs, grads normwise <= 1e-10;
+#                 each tensor against its own max <= 1e-6: near-cancelling A_log sums, see the tool)
 #   4 tests       the unit tests that apply on CUDA (tests/gpu, cpu_compat's cuda case, the attention ops)
 #   5 bench       tools/bench_replay.py at Qwen3.6-27B width, 4 layers, bf16: P=128K detached and
 #                 P=32K exact (R=1K, G=2) -> bench_*.json (tokens/s per phase, peak memory, TFLOP/s
@@ -19,6 +20,9 @@
 # Usage:
 #   bash scripts/gpu_check.sh [OUT]                  on the CUDA machine (OUT defaults to $OUT, or runs/gpu_check)
 #   bash scripts/gpu_check.sh --cpu-rehearsal [OUT]  every step on the CPU at tiny sizes: tests this script
+#   GPU_CHECK_ONLY='^(smoke|train.*)$' bash scripts/gpu_check.sh ...   only the steps whose names match (bash
+#                                                    regex); the rest are listed as skipped. Lets a short device
+#                                                    lease run the correctness steps and the benches apart.
 # On a bare CUDA image without megatron-core, run scripts/gpu_wheels.sh where pip works first and carry .whl/.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -46,6 +50,10 @@ failed=0
 step() {  # step NAME CMD...: run, log, time, record
   local name=$1; shift
   local t0=$SECONDS
+  if [ -n "${GPU_CHECK_ONLY:-}" ] && ! [[ $name =~ $GPU_CHECK_ONLY ]]; then
+    echo "$name skipped (GPU_CHECK_ONLY=$GPU_CHECK_ONLY)" | tee -a "$out/summary.txt"
+    return 0
+  fi
   echo "[gpu_check] $name: $*"
   if "$@" > "$out/$name.log" 2>&1; then
     echo "$name ok $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
@@ -93,7 +101,7 @@ if [ "$dev" = cuda ]; then
   step validate_cpu $lt validate --hf "$work/hf" --rollouts "$work/rollouts.jsonl" --out "$work/validate_cpu" \
     --mode exact --dump-grads device=cpu model.dtype=float64 replay.chunk_len=64
   step validate_compare $py tools/compare_validate.py "$work/validate_cuda" "$work/validate_cpu" --tol 1e-10 \
-    --json "$out/validate_compare.json"
+    --tol-own 1e-6 --json "$out/validate_compare.json"
 fi
 step tests $py -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_cpu_compat.py \
   tests/unit/test_attention_entry.py tests/unit/test_block_attention.py

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Download (here, where the package registry is reachable) the wheels a bare CUDA image lacks for
 # scripts/gpu_check.sh, into .whl/ (git-ignored): megatron-core, pinned as in requirements/constraints.txt,
-# and fla-core (the `fla` package of flash-linear-attention, pure Python), pinned as in pyproject's gpu extra;
+# torchao (QLoRA's NF4 base, adapters/quant.py; the image has none), pinned likewise, and fla-core (the `fla`
+# package of flash-linear-attention, pure Python), pinned as in pyproject's gpu extra;
 # fla is used only where the image's triton is >= 3.7.1 (ops/fla_gdn.py), the plain rule otherwise.
 # The image is expected to carry torch, triton, transformers, safetensors, einops, psutil, pyyaml, pytest.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-pin=$(grep -E '^megatron-core==' "$repo/requirements/constraints.txt")
+pins=$(grep -E '^(megatron-core|torchao)==' "$repo/requirements/constraints.txt")
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 -d "$repo/.whl" "$pin"
+  --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 -d "$repo/.whl" $pins
 fla=$(grep -oE 'fla-core==[0-9.]+' "$repo/pyproject.toml")
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$repo/.whl" "$fla"
 ls -la "$repo/.whl"

@@ -94,13 +94,14 @@ class RssPeak:
 
 def _measure(fn, device):
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
+
+    from longstraw_mcore.bench.flops import flop_counter
 
     if device.type == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    with RssPeak() as rss, FlopCounterMode(display=False) as fc:
+    with RssPeak() as rss, flop_counter() as fc:
         t = time.perf_counter()
         out = fn()
         if device.type == "cuda":

@@ -3,7 +3,16 @@
 log-probs, grad norm (receipt.json) and every dumped gradient (grads.safetensors), as relative
 differences; exit status 1 if any exceeds --tol.
 
-  python tools/compare_validate.py DIR_A DIR_B [--tol 1e-10] [--json OUT]
+  python tools/compare_validate.py DIR_A DIR_B [--tol 1e-10] [--tol-own T] [--json OUT]
+
+Two gradient measures:
+  grad_worst           the worst tensor's max difference over its own max |gradient|
+  grad_worst_normwise  the worst tensor's max difference over the largest |gradient| of any tensor
+`grad_worst` is ill-conditioned for a tensor whose gradient is a near-cancelling sum: in the tiny
+Qwen float64 check, layer 1's A_log gradient is 8.5e-10 against 2.8e-2 elsewhere, and the same CPU run
+at another replay.chunk_len (only the summation order differs) moves it by 6.9e-11 of itself (6e-20
+absolute); CUDA against CPU moved it by 4.1e-10 (H200, 2026-12-04). --tol-own (default: --tol) bounds
+`grad_worst`, --tol everything else.
 """
 
 import argparse
@@ -35,6 +44,9 @@ def compare(a: Path, b: Path) -> dict:
         out["grad_worst"] = float((ga[worst].double() - gb[worst].double()).abs().max()
                                   / gb[worst].double().abs().max().clamp_min(1e-300))
         out["grad_worst_name"] = worst
+        scale = max(float(g.double().abs().max()) for g in gb.values())
+        out["grad_worst_normwise"] = max(float((ga[k].double() - gb[k].double()).abs().max()) for k in ga) / max(
+            scale, 1e-300)
     del torch
     return out
 
@@ -44,11 +56,14 @@ def main(argv=None) -> int:
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--tol", type=float, default=1e-10)
+    p.add_argument("--tol-own", type=float, default=None, help="bound on grad_worst (default: --tol)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     out = compare(Path(args.a), Path(args.b))
-    out["tol"] = args.tol
-    out["ok"] = all(v <= args.tol for k, v in out.items() if isinstance(v, float) and k != "tol")
+    tol_own = args.tol if args.tol_own is None else args.tol_own
+    out["tol"], out["tol_own"] = args.tol, tol_own
+    out["ok"] = all(v <= (tol_own if k == "grad_worst" else args.tol) for k, v in out.items()
+                    if isinstance(v, float) and not k.startswith("tol"))
     print(json.dumps(out, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -133,6 +133,11 @@ def _cpu_worker(rank, world_size, points, device: str = "cpu"):
     from longstraw_mcore.replay.group_step import process_group
 
     out = []
+    # On CUDA the first point runs twice and its first measure is dropped: what a process allocates at
+    # its first step (cuBLAS's and cuBLASLt's workspaces, through the caching allocator) is fixed, not the
+    # step's. On an H200 it put 62 MiB into the first point (67.7 MiB measured against 5.3 planned).
+    warm = 1 if device == "cuda" and points else 0
+    points = [*points[:warm], *points]
     for name, config, overrides, P, R, G, layout in points:
         cfg = load_config(os.path.join(ROOT, config), [*overrides, *layout, f"device={device}"])
         par = setup_parallel(cfg)
@@ -174,7 +179,7 @@ def _cpu_worker(rank, world_size, points, device: str = "cpu"):
                     "planned_bytes": step_peak_bytes(fam, cfg, P, R, G, world_size, cuda=device == "cuda"),
                     "measured_host_bytes": host + holder_host,
                     "planned_host_bytes": step_host_bytes(fam, cfg, P, R, G, world_size)})
-    return out
+    return out[warm:]
 
 
 def host_bytes(state) -> int:

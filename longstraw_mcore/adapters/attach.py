@@ -92,7 +92,8 @@ def attach(model, sites: list[Site], cfg: AdapterConfig, parallel, seed: int, ca
     ep, ep_rank = parallel.ep, (parallel.pgs.ep.rank() if parallel.ep > 1 else 0)
     m = model.model_cfg
     per_rank = getattr(m, "n_routed_experts", 0) // ep
-    dtype = next(model.parameters()).dtype
+    first = next(model.parameters())
+    dtype, device = first.dtype, first.device  # the adapters live where the model does
     if parallel.tp_kv is not None and targets & {"k_proj", "v_proj"}:
         raise ConfigError(f"adapter.targets {sorted(targets & {'k_proj', 'v_proj'})} with parallel.tp={tp} above "
                           f"model.num_key_value_heads={m.num_key_value_heads} (KV groups): not supported yet; "
@@ -118,7 +119,8 @@ def attach(model, sites: list[Site], cfg: AdapterConfig, parallel, seed: int, ca
         else:
             A, B = init_a(s.name, cfg.rank, n_in, seed), torch.zeros(out, cfg.rank, dtype=torch.float64)
         A, parts = local_factors(s, A, B, tp_rank, tp, padded_vocab)
-        lora = LoRA(s.name, A.to(dtype), {k: v.to(dtype) for k, v in parts.items()}, cfg.scale, s.kind, aset.switch)
+        lora = LoRA(s.name, A.to(device, dtype), {k: v.to(device, dtype) for k, v in parts.items()}, cfg.scale,
+                    s.kind, aset.switch)
         aset.lora[_key(s.name)] = lora
         for i, (part, path) in enumerate(zip(s.parts, paths)):
             if path not in modules:

@@ -113,7 +113,7 @@ def _grads_hf(hf) -> dict[str, torch.Tensor]:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().to("cpu", torch.float64), b.detach().to("cpu", torch.float64)  # ours may be on the GPU
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
@@ -227,6 +227,9 @@ def gdn_kernels(m, T: int, repeats: int = 3, device="cpu") -> dict:
         return chunk_gated_delta_rule(*x, chunk_size=C, state_dtype=state_dtype)
 
     def theirs(q, k, v, gd, beta):  # (its l2 norm in the kernel, as the model calls it)
+        # key heads repeated to the value heads first, as its model does before the call (transformers
+        # 5.23's rule repeats them itself; 5.17's does not and fails on fewer key heads, seen on an H200)
+        q, k = (x.repeat_interleave(hv // hk, dim=2) for x in (q, k))
         o, s = torch_chunk_gated_delta_rule(q, k, v, gd, beta, chunk_size=C, output_final_state=True,
                                             use_qk_l2norm_in_kernel=True)
         return o, s

@@ -51,8 +51,8 @@ def run(args) -> int:
     model = build_and_load(cfg, par, args.hf, args.load, "validate", adapter)
     rank0_print(f"[validate] {cfg.model.family}: {cfg.model.describe()}; layout {par.layout()}")
     probe = LayerProbe(model, cfg.model, par.ep)
-    ddp = wrap_ddp(model, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, distributed_optimizer=False)),
-                   par)
+    ddp = wrap_ddp(model, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, distributed_optimizer=False),
+                                              memory=dataclasses.replace(cfg.memory, optimizer_offload=False)), par)
     ref = reference_model(args, cfg, par)
     dp_rank, n = par.pgs.dp.rank(), len(groups)
     ddp.zero_grad_buffer()

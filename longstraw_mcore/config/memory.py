@@ -27,7 +27,8 @@ class MemoryConfig:
     the discrete top-k (rounded, they flip selections: memory/staging.py)."""
     optimizer_offload: bool = False
     """fp32 master weights and Adam moments in host memory and the update on the CPU: Megatron's
-    HybridDeviceOptimizer (train.grad_reduction=step) or host-resident shards (micro_step)."""
+    HybridDeviceOptimizer inside its distributed optimizer (train.grad_reduction=step; the distributed
+    optimizer is switched on with it) or host-resident shards (micro_step)."""
     grad_offload: bool = False
     """train.grad_reduction=micro_step: no full-size gradient on the device. Each parameter's gradient
     is copied to a host buffer (pinned on CUDA) the moment autograd completes it in a backward and its

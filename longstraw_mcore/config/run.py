@@ -55,6 +55,13 @@ class RunConfig:
             raise ConfigError(f"rollout.stop_ids={self.rollout.stop_ids}: {bad} not below model.vocab_size="
                               f"{self.model.vocab_size}")
 
+    def uses_distributed_optimizer(self) -> bool:
+        """train.distributed_optimizer, or memory.optimizer_offload under train.grad_reduction=step:
+        Megatron-Core 0.19's HybridDeviceOptimizer works only inside its DistributedOptimizer (inside the
+        mixed-precision optimizer its parameter map misses the float32 copies that optimizer swaps in:
+        KeyError at the first step, seen on an H200)."""
+        return self.train.distributed_optimizer or (self.memory.optimizer_offload and self.train.grad_reduction == "step")
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device

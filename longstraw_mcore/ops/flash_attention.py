@@ -64,6 +64,24 @@ def _ops(q: torch.Tensor):
     return _op_forward, _op_backward, True, q.dtype
 
 
+def _op_forward(q, k, v, causal: bool, scale: float):
+    """CUDA: q [B,T,Hq,D], k/v [B,S,Hk,*] (same dtype) -> (out [B,T,Hq,Dv] q.dtype, lse [B,Hq,T] float32,
+    +inf for rows that see no key)."""
+    r = torch.ops.aten._flash_attention_forward(q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal, False,
+                                                scale=scale)
+    return r[0], r[1]
+
+
+def _op_backward(do, q, k, v, out, lse, causal: bool, scale: float):
+    """CUDA: (dq, dk, dv) in the inputs' layouts and dtype, from the *given* out / lse (float32, +inf = empty
+    row)."""
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout 0: the generator state is not read
+    unused = torch.empty(0, dtype=torch.uint64, device=q.device)
+    r = torch.ops.aten._flash_attention_backward(do, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], 0.0,
+                                                 causal, rng, unused, scale=scale)
+    return r[0], r[1], r[2]
+
+
 def _cpu_forward(q, k, v, causal: bool, scale: float):
     """The CPU op with _op_forward's contract (layouts [B,T,H,*]; no row sees no key here)."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

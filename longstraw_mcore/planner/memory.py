@@ -391,7 +391,7 @@ def stage_plan(family, cfg, P: int, R: int, G: int, world_size: int, s: int, on_
     types = [m.layer_types[i] for i in layers]
     weights, n = stage_weights(family, cfg, stages, s)
     out, host = {"weights": weights}, {"gradients": 0}
-    sharded = t.distributed_optimizer or t.grad_reduction == "micro_step"
+    sharded = cfg.uses_distributed_optimizer() or t.grad_reduction == "micro_step"
     phases = phase_bytes(family, cfg, P, R, G, layers, s == p.pp - 1, "cuda" if on_cuda else "cpu")
     later = max(v for k, v in phases.items() if k != "capture")
     if t.grad_reduction == "micro_step":

@@ -77,12 +77,14 @@ def gradients_finite(holder, par) -> bool:
 def wrap_ddp(model, cfg: RunConfig, par):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    if cfg.train.distributed_optimizer and cfg.model.dtype == "float64":
-        raise ConfigError("train.distributed_optimizer=true needs float32 or bfloat16 parameters "
+    if cfg.uses_distributed_optimizer() and cfg.model.dtype == "float64":
+        why = "train.distributed_optimizer=true" if cfg.train.distributed_optimizer else \
+            "memory.optimizer_offload=true (Megatron's distributed optimizer under it)"
+        raise ConfigError(f"{why} needs float32 or bfloat16 parameters "
                           "(Megatron's distributed optimizer has no float64 path); model.dtype=float64")
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=cfg.model.dtype == "bfloat16",
                                             overlap_grad_reduce=False,
-                                            use_distributed_optimizer=cfg.train.distributed_optimizer)
+                                            use_distributed_optimizer=cfg.uses_distributed_optimizer())
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model, pg_collection=par.pgs)
     model.config.no_sync_func = ddp.no_sync
     return ddp
@@ -110,7 +112,7 @@ def build_optimizer(ddp, cfg: RunConfig, par):
     ocfg = OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.lr, weight_decay=t.weight_decay,
                            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
                            clip_grad=t.clip_grad, bf16=cfg.model.dtype == "bfloat16",
-                           params_dtype=cfg.model.torch_dtype, use_distributed_optimizer=t.distributed_optimizer,
+                           params_dtype=cfg.model.torch_dtype, use_distributed_optimizer=cfg.uses_distributed_optimizer(),
                            **offload_kwargs(cfg))
     # use_gloo_process_groups=False: the groups come from the explicit collection (gloo on CPU anyway)
     return get_megatron_optimizer(ocfg, [ddp], use_gloo_process_groups=False, pg_collection=par.pgs)

@@ -25,7 +25,7 @@ def test_attention_with_sinks_cuda_equals_cpu():
             dict(q=(2, 9, 4, 16), kb=(2, 9, 2, 16), vb=(2, 9, 2, 16), kp=(1, 40, 2, 16), vp=(1, 40, 2, 16)).items()}
     res = {}
     for dev in ("cpu", "cuda"):
-        t = {n: x.to(dev).requires_grad_(n in ("q", "kb", "vb")) for n, x in base.items()}
+        t = {n: x.to(dev, copy=True).requires_grad_(n in ("q", "kb", "vb")) for n, x in base.items()}
         sink = (torch.zeros(1, 40, 2, 16, dtype=F64, device=dev), torch.zeros(1, 40, 2, 16, dtype=F64, device=dev))
         out, lse = attention(t["q"], [KeySet(t["kp"], t["vp"], 0, grad=sink), KeySet(t["kb"], t["vb"], 40)], 40,
                              block=8)

@@ -193,6 +193,10 @@ def test_dispatch_and_overrides(monkeypatch):
         load_config("configs/qwen3.6-tiny.yaml", ["ops.attention=fast"])
     with pytest.raises(ConfigError, match="ops.gdn"):
         OpsConfig(gdn="fast")
+    # the op for a non-CPU tensor is the CUDA pair (CPU tests replace `_ops`; this is what the GPU runs)
+    fwd, bwd, bottom_right, dt = flash_attention._ops(torch.empty(1, dtype=torch.bfloat16, device="meta"))
+    assert (fwd, bwd, bottom_right, dt) == (flash_attention._op_forward, flash_attention._op_backward, True,
+                                            torch.bfloat16)
     assert load_config("configs/qwen3.6-tiny.yaml", ["ops.attention=plain"]).ops.attention == "plain"
 
 

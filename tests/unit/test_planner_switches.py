@@ -141,15 +141,20 @@ def test_optimizer_offload_moves_the_optimizer_and_adds_a_gradient_shard():
     from longstraw_mcore.families import get_family
     from longstraw_mcore.planner.memory import stage_weights
 
-    for red, shards in (("micro_step", 2), ("step", 1)):
+    # sharded over data x context parallel (2 ranks here) either way: micro_step's own shards, or under
+    # step reduction Megatron's distributed optimizer, which HybridDeviceOptimizer needs (RunConfig.
+    # uses_distributed_optimizer); without offload, step reduction keeps the whole optimizer per rank
+    for red, plain_shards in (("micro_step", 2), ("step", 1)):
         cfg = _cfg(Q27, "parallel.tp=4", "parallel.cp=2", f"train.grad_reduction={red}",
                    "memory.optimizer_offload=true")
+        assert cfg.uses_distributed_optimizer() == (red == "step")
         n = stage_weights(get_family("qwen3_5"), cfg, [64], 0)[1]
         device, host = _both(cfg, 65_536, 1024, 8, 8)
         plain, _ = _both(_cfg(Q27, "parallel.tp=4", "parallel.cp=2", f"train.grad_reduction={red}"), 65_536, 1024, 8, 8)
         assert device["optimizer"] == 0 and device["gradients"] == plain["gradients"]
-        assert host["optimizer"] == plain["optimizer"] == -(-n * 12 // shards)  # moments + float32 master (bf16)
-        assert host["optimizer_grads"] == -(-n * 4 // shards)
+        assert host["optimizer"] == -(-n * 12 // 2)  # moments + float32 master (bf16)
+        assert plain["optimizer"] == -(-n * 12 // plain_shards)
+        assert host["optimizer_grads"] == -(-n * 4 // 2)
 
 
 def test_grad_offload_leaves_one_bucket_on_the_device():
