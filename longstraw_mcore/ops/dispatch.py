@@ -2,14 +2,11 @@
 run's choice (`ops.*` in a run config, applied by `configure`):
 
     attention   auto: flash (ops/flash_attention.py, torch's fused ops that return the log-sum-exp) on
+                CPU for every float dtype (torch's fused CPU op; bf16 / fp16 run in float32; a key set
+                whose values have another head dim than the queries runs the twin, per call) and on
                 CUDA for bf16 / fp16 with head dim <= 256, the plain-torch twin (ops/block_attention.py)
                 otherwise; plain: the twin everywhere; flash: flash, and an error where it cannot run
-                (comparisons must not silently measure the twin). On CPU flash is torch's fused CPU op
-                for every float dtype (bf16 / fp16 run in float32; a key set whose values have another
-                head dim than the queries runs the twin, per call), opt-in for now: the planner models
-                it (checked by tools/plan_vs_measured.py's flash points), but with it the QLoRA exact
-                TP=2 point, an upper bound (the frozen base's saved tensors are not modelled), measures
-                13.3-15.0% over against its 15%. tests/unit/test_flash_adapter.py and
+                (comparisons must not silently measure the twin). tests/unit/test_flash_adapter.py and
                 test_block_attention.py hold the op to the twin; ops/kernel_choice.py names the kernel
                 for the planner too (its memory terms follow the kernel that runs)
     gdn         auto: flash-linear-attention (ops/fla_gdn.py) for CUDA bf16 / fp16 where fla is installed
@@ -52,7 +49,7 @@ def attention_kernel(q):
     """The partial kernels (partial_forward / partial_backward) for queries `q`."""
     c = _choice.attention
     name = attention_kernel_name(c, q.device.type, str(q.dtype).removeprefix("torch."), q.shape[-1])
-    ok = name == "flash" and flash_attention.available(q)  # (auto on CPU: the twin, the module docstring says why)
+    ok = name == "flash" and flash_attention.available(q)
     if c == "flash" and not ok:
         raise ValueError(f"ops.attention=flash needs CPU queries, or CUDA bf16/fp16 queries with head dim <= 256, and "
                          f"torch's flash op; got {q.device.type} {q.dtype}, head dim {q.shape[-1]} (use ops.attention=auto)")

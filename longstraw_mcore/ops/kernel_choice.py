@@ -16,10 +16,9 @@ def attention_kernel_name(choice: str, device: str, dtype: str, head_dim: int, v
     "cuda") in `dtype` (its name: "bfloat16") with `head_dim`. flash: torch's op wherever it applies:
     every CPU float dtype where the values' head dim is the queries' (ops/flash_attention.py: the CPU op
     needs them equal), CUDA bf16 / fp16 with head dim <= 256 (flash where it does not apply is the
-    caller's error: ops/dispatch.py raises); auto: the same on CUDA, the twin on CPU (opt-in there:
-    ops/dispatch.py says why). plain: the twin. `planner`: "flash_cpu" for the CPU op, whose bf16 / fp16
+    caller's error: ops/dispatch.py raises); auto: the same. plain: the twin. `planner`: "flash_cpu" for the CPU op, whose bf16 / fp16
     work runs in float32 copies (the memory terms differ)."""
-    if choice == "plain" or (choice == "auto" and device == "cpu"):
+    if choice == "plain":
         return "plain"
     if device == "cpu":
         ok = dtype in CPU_DTYPES and (value_head_dim is None or value_head_dim == head_dim)

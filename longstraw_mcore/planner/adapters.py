@@ -77,3 +77,35 @@ def largest_projection(sites, tp: int, ep: int, layers: range) -> int:
         for part in s.parts:
             per[part.module] = per.get(part.module, 0) + size * (part.rows[1] - part.rows[0]) / s.shape[0]
     return int(max(per.values(), default=0))
+
+
+def frozen_base_activation_delta(family, m, cfg_adapter, tp: int, T: int, layer: int,
+                                 produce_only: bool = False) -> int:
+    """Bytes a Qwen layer's T tokens keep for the backward with adapters on a frozen base, minus what the
+    trainable-base formulas (planner/activations.py) count; 0 for other families (their formulas stay
+    upper bounds). Listed tensor by tensor with saved_tensors_hooks (tests/unit/test_planner_activations.py):
+    a norm whose weight is frozen keeps no normalised tensor for the weight's gradient (Hd x w per token
+    each; q_norm and k_norm (Hq + Hkv) x d x w; the gated norm Hv x Dv x e), the decay gate keeps no
+    [T, Hv] float for A_log; each adapted projection piece keeps x A^T [T, r] for B's gradient (r x e).
+    The projections' inputs are kept either way (the adapter saves the same tensor). Not counted: the
+    first layer's input norm keeps less still (its input, the frozen embedding's output, needs no
+    gradient): an upper bound's small excess."""
+    if family.name != "qwen3_5":
+        return 0
+    e = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
+    w = max(4, e)
+    kind = m.layer_types[layer]
+    drop = (1 if produce_only else 2) * m.hidden_size * w
+    if kind == "full_attention":
+        hq, hkv = m.num_attention_heads // tp, max(1, m.num_key_value_heads // tp)
+        drop += (hq + hkv) * m.head_dim * w
+    elif kind == "linear_attention":
+        hv = m.linear_num_value_heads // tp
+        drop += hv * m.linear_value_head_dim * e + hv * w
+    sites = sites_of(family, m)
+    targets = set(cfg_adapter.resolved_targets({s.target: s.shape for s in sites}))
+    mixer_only = {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                  "out_proj"}
+    pieces = sum(len(s.parts) for s in sites if s.layer == layer and s.target in targets
+                 and (not produce_only or s.target in mixer_only))
+    return T * (pieces * cfg_adapter.rank * e - drop)

@@ -284,9 +284,17 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     def backward_scratch(T, i, keys):  # what layer i's backward makes beside its saved tensors (score blocks)
         return layers[lt[i]].backward_scratch(m, T, keys, p.tp, attention)
 
+    if cfg.adapter.enabled:  # a frozen base keeps less, its adapters a little more (planner/adapters.py)
+        from longstraw_mcore.planner.adapters import frozen_base_activation_delta
+    else:
+        frozen_base_activation_delta = None
+
     def one(T, own, i, produce_only=False):  # own = 0: a prompt chunk (its own keys are the state's); own = T: branches
-        return kind_bytes(layers[lt[i]], m, p.tp, T, i, rows(i) + own, produce_only=produce_only, query_block=qb,
-                          gdn_wide=wide and own == 0)
+        b = kind_bytes(layers[lt[i]], m, p.tp, T, i, rows(i) + own, produce_only=produce_only, query_block=qb,
+                       gdn_wide=wide and own == 0)
+        if frozen_base_activation_delta is not None:
+            b += frozen_base_activation_delta(family, m, cfg.adapter, p.tp, T, i, produce_only)
+        return b
 
     def saved(T, own, sweep=False):  # sweep: the model's last layer runs only as far as its state
         return sum(one(T, own, i, produce_only=sweep and i == last) for i in stage)

@@ -7,10 +7,9 @@ parameters, planned (planner/memory.step_peak_bytes) and measured, each within 1
     dominates), TP=2, CP=2, both modes; and the tiny GLM-5.2 (MLA + DSA + MoE) in exact mode, which
     the planner underestimates by about 12% (its MLA and MoE backward transients are not modelled yet):
     held to 15% so that it cannot drift unseen, and reported as outside the 10% in the README;
-  - 4 adapter points (LoRA and QLoRA nf4 on the frozen base, both modes, TP=1 and TP=2). The planner
-    counts a trainable base's saved tensors; with the base frozen autograd keeps less (no normalised
-    output for a frozen norm weight, ...: measured 9% less for a Gated DeltaNet layer, 13% for an
-    attention layer), so these plans are upper bounds: held to planned >= measured and within 15%;
+  - 4 adapter points (LoRA and QLoRA nf4 on the frozen base, both modes, TP=1 and TP=2), within 10%:
+    the planner counts what a frozen base does not keep and what the adapters add
+    (planner/adapters.py frozen_base_activation_delta);
   - 9 memory-switch points (config/memory.py: recompute, state offload, fp8 state, GLM query blocks;
     P=1,200 where the state matters), device and host bytes apart (how a CPU tells them apart: the
     tool's docstring): the host side and the device side within 10% everywhere (GLM's too: the capture
@@ -52,9 +51,7 @@ def test_planner_within_10_percent_of_measured_peaks():
             assert abs(r["planned_host_bytes"] / r["measured_host_bytes"] - 1) <= 0.10, r
     for r in rows:
         ratio = r["planned_bytes"] / r["measured_bytes"]
-        adapter = "LoRA" in r["name"]
         switches = any(o.startswith("memory.") for o in r.get("overrides", []))
-        tol = 0.15 if (r["name"].startswith("glm") or adapter) and not switches else 0.10
+        tol = 0.15 if r["name"].startswith("glm") and not switches else 0.10
         assert abs(ratio - 1) <= tol, (r["name"], r["where"], r["P"], r["planned_bytes"], r["measured_bytes"])
-        assert not adapter or ratio >= 1.0, (r["name"], ratio)
     assert sum(abs(r["planned_bytes"] / r["measured_bytes"] - 1) <= 0.10 for r in rows) >= 38

@@ -175,8 +175,8 @@ def test_dispatch_and_overrides(monkeypatch):
     from longstraw_mcore.ops import block_attention, dispatch, flash_attention
 
     q = torch.randn(1, 2, 4, 8)
-    for dt in (torch.float32, torch.float64, torch.bfloat16):                   # CPU: the twin unless asked
-        assert dispatch.attention_kernel(q.to(dt)) is block_attention
+    for dt in (torch.float32, torch.float64, torch.bfloat16):                   # CPU: torch's fused op
+        assert dispatch.attention_kernel(q.to(dt)) is flash_attention
     with dispatch.override(attention="plain"):
         assert dispatch.attention_kernel(q) is block_attention
     with dispatch.override(attention="flash"):

@@ -2,7 +2,8 @@
 its backward (torch.autograd.graph.saved_tensors_hooks, each storage counted once, parameters and the
 prompt state's own buffers left out), per layer, for Gated DeltaNet and gated-attention layers of
 configs whose dimensions all differ (so a term with the wrong dimension cannot match), in bfloat16,
-float32 and float64, at TP=1 and TP=2; and GLM-5.2-tiny's MLA + DSA layers with a dense and a MoE MLP. The formulas are derived from the code, not fitted: each must
+float32 and float64, at TP=1 and TP=2, and at TP=1 with LoRA on the frozen base (planner/adapters.py
+frozen_base_activation_delta added); and GLM-5.2-tiny's MLA + DSA layers with a dense and a MoE MLP. The formulas are derived from the code, not fitted: each must
 be within 10% of the count (the residue is small shape-independent tensors and padding copies)."""
 
 from __future__ import annotations
@@ -68,18 +69,34 @@ def _worker(rank, world_size, tp):
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     rows = []
+    from longstraw_mcore.adapters.attach import attach
+    from longstraw_mcore.planner.adapters import frozen_base_activation_delta
+
     for dtype, case_tp, T, d in CASES:
         if case_tp != tp:
             continue
-        cfg = load_config(os.path.join(root, "configs", "qwen3.6-tiny.yaml"), _overrides(dtype, d) + [f"parallel.tp={tp}"])
-        m = cfg.model
-        model = get_family(m.family).build_model(m, setup_parallel(cfg), "cpu")
-        g = torch.Generator().manual_seed(0)
-        P = 38  # 37 prompt positions: no other dimension is 37
-        state = capture(model, torch.randint(0, m.vocab_size, (1, P - 1), generator=g), cfg.replay)
-        per = _saved_per_layer(model, state, torch.randint(0, m.vocab_size, (1, T), generator=g), P)
-        for layer in (0, 3):  # Gated DeltaNet, gated attention
-            rows.append((dtype, tp, m.layer_types[layer], T, per[layer], layer_bytes(get_family(m.family).layers, m, tp, T, layer)))
+        # at TP=1 also with LoRA r1 on the frozen base: what the base does not keep, what the adapters add
+        for adapter in ([], ["adapter.rank=1"]) if tp == 1 else ([],):
+            cfg = load_config(os.path.join(root, "configs", "qwen3.6-tiny.yaml"),
+                              _overrides(dtype, d) + [f"parallel.tp={tp}"] + adapter)
+            m = cfg.model
+            family = get_family(m.family)
+            par = setup_parallel(cfg)
+            model = family.build_model(m, par, "cpu")
+            if adapter:
+                attach(model, family.checkpoint.adapter_sites(m), cfg.adapter, par, cfg.seed,
+                       padded_vocab=model.padded_vocab_size)
+            g = torch.Generator().manual_seed(0)
+            P = 38  # 37 prompt positions: no other dimension is 37
+            state = capture(model, torch.randint(0, m.vocab_size, (1, P - 1), generator=g), cfg.replay)
+            per = _saved_per_layer(model, state, torch.randint(0, m.vocab_size, (1, T), generator=g), P)
+            # Gated DeltaNet, gated attention; with adapters also layer 1 (layer 0's input norm keeps less
+            # still: its input, the frozen embedding's output, needs no gradient)
+            for layer in (0, 3) if not adapter else (0, 1, 3):
+                want = layer_bytes(family.layers, m, tp, T, layer)
+                if adapter:
+                    want += frozen_base_activation_delta(family, m, cfg.adapter, tp, T, layer)
+                rows.append((dtype, tp, m.layer_types[layer] + ("+lora" if adapter else ""), T, per[layer], want))
     for dtype, T in GLM_CASES if tp == 1 else []:
         cfg = load_config(os.path.join(root, "configs", "glm-5.2-tiny.yaml"),
                           [f"model.dtype={dtype}", "model.num_layers=4", "device=cpu"])
@@ -99,6 +116,6 @@ def test_activation_formulas_match_saved_tensors():
     rows = run_ranks(_worker, 1, 1, timeout_s=600)[0] + run_ranks(_worker, 2, 2, timeout_s=600)[0]
     for dtype, tp, kind, T, got, want in rows:
         print(f"{dtype:9s} tp={tp} {kind:17s} T={T}: saved {got:8d} B, formula {want:8d} B ({want / got:.3f})")
-    assert len(rows) == 12
+    assert len(rows) == 21
     for dtype, tp, kind, T, got, want in rows:
         assert abs(want / got - 1) <= 0.10, (dtype, tp, kind, T, got, want)
