@@ -130,9 +130,9 @@ class OpsConfig:
     """Which kernel each op runs (ops/dispatch.py)."""
 
     attention: Literal["auto", "plain", "flash"] = "auto"
-    """auto: torch's flash ops for CUDA bf16/fp16 with head dim <= 256, the plain-torch twin otherwise
-    (on CPU the fused CPU op is opt-in with flash; ops/kernel_choice.py); plain / flash force one (flash
-    errors where it cannot run)."""
+    """auto: torch's fused attention ops that return the log-sum-exp: on CPU for every float dtype, on
+    CUDA for bf16/fp16 with head dim <= 256; the plain-torch twin otherwise (ops/kernel_choice.py);
+    plain / flash force one (flash errors where it cannot run)."""
     gdn: Literal["auto", "plain", "fla"] = "auto"
     """Gated DeltaNet: auto takes flash-linear-attention for CUDA bf16/fp16 where installed (the gpu extra),
     the plain-torch chunked rule otherwise; plain / fla force one."""

@@ -90,7 +90,7 @@ def frozen_base_activation_delta(family, m, cfg_adapter, tp: int, T: int, layer:
     The projections' inputs are kept either way (the adapter saves the same tensor). Not counted: the
     first layer's input norm keeps less still (its input, the frozen embedding's output, needs no
     gradient): an upper bound's small excess."""
-    if family.name != "qwen3_5":
+    if not cfg_adapter.enabled or family.name != "qwen3_5":
         return 0
     e = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
     w = max(4, e)

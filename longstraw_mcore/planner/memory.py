@@ -52,9 +52,8 @@ largest; not counted: the process itself, the CUDA context, data loading, checkp
                      (n x e, staged as autograd completes them)
     gradient_shards  memory.grad_offload: the float32 shards they are reduce-scattered into (n x 4 / shards)
     optimizer        memory.optimizer_offload: the optimizer term above (moments + float32 master copy)
-    optimizer_grads  memory.optimizer_offload: Megatron's HybridDeviceOptimizer keeps a float32 copy of
-                     this rank's gradient shard for the CPU update: n x 4 / shards with the distributed
-                     optimizer or micro_step, else n x 4
+    optimizer_grads  memory.optimizer_offload: a float32 copy of this rank's gradient shard for the CPU
+                     update, n x 4 / shards (offload runs sharded: micro_step, or the distributed optimizer)
     prompt_state     memory.state_offload: the position-sized categories (model dtype, or fp8 blocks)
     prompt_state_grad memory.state_offload, exact mode: the position-sized kinds' gradients (float32)
 """
@@ -257,6 +256,7 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     the attention terms."""
     from longstraw_mcore.ops.kernel_choice import attention_kernel_name
     from longstraw_mcore.parallel.cp import gdn_path
+    from longstraw_mcore.planner.adapters import frozen_base_activation_delta  # (0 without adapters)
     from longstraw_mcore.planner.activations import kind_bytes
     from longstraw_mcore.planner.state import staging_bytes
     from longstraw_mcore.prompt_state.containers import analytic_state_grad_bytes
@@ -284,17 +284,10 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     def backward_scratch(T, i, keys):  # what layer i's backward makes beside its saved tensors (score blocks)
         return layers[lt[i]].backward_scratch(m, T, keys, p.tp, attention)
 
-    if cfg.adapter.enabled:  # a frozen base keeps less, its adapters a little more (planner/adapters.py)
-        from longstraw_mcore.planner.adapters import frozen_base_activation_delta
-    else:
-        frozen_base_activation_delta = None
-
     def one(T, own, i, produce_only=False):  # own = 0: a prompt chunk (its own keys are the state's); own = T: branches
-        b = kind_bytes(layers[lt[i]], m, p.tp, T, i, rows(i) + own, produce_only=produce_only, query_block=qb,
-                       gdn_wide=wide and own == 0)
-        if frozen_base_activation_delta is not None:
-            b += frozen_base_activation_delta(family, m, cfg.adapter, p.tp, T, i, produce_only)
-        return b
+        return kind_bytes(layers[lt[i]], m, p.tp, T, i, rows(i) + own, produce_only=produce_only, query_block=qb,
+                          gdn_wide=wide and own == 0) + frozen_base_activation_delta(family, m, cfg.adapter, p.tp, T, i,
+                                                                                     produce_only)
 
     def saved(T, own, sweep=False):  # sweep: the model's last layer runs only as far as its state
         return sum(one(T, own, i, produce_only=sweep and i == last) for i in stage)
