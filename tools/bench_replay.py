@@ -265,8 +265,6 @@ def vs_transformers(a) -> int:
         torch.set_num_threads(a.threads)
     config = a.config if a.config != "configs/qwen3.6-tiny.yaml" else "configs/bench-hybrid-256.yaml"
     cfg = load_config(config, a.overrides)
-    if cfg.resolved_device() == "cpu" and not any(o.startswith("ops.attention=") for o in a.overrides):
-        cfg = load_config(config, [*a.overrides, "ops.attention=flash"])  # torch's fused CPU op (opt-in on CPU)
     m = cfg.model
     if m.family != "qwen3_5":
         raise SystemExit(f"--vs-transformers: model.family={m.family!r}; the side-by-side runs the qwen3_5 family")

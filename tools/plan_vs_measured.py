@@ -64,23 +64,15 @@ CPU_POINTS = [
      ["adapter.rank=4", "adapter.base_dtype=nf4", "replay.mode=detached"], 300, 96, 4, []),
     ("qwen tiny f32 QLoRA nf4 r4 exact TP=2", "configs/qwen3.6-tiny.yaml",
      ["adapter.rank=4", "adapter.base_dtype=nf4", "replay.mode=exact"], 300, 96, 2, ["parallel.tp=2"]),
-    # ops.attention=flash (torch's fused CPU op, opt-in on CPU): the planner's flash terms. A model of
-    # attention layers only (flash's capture: no score blocks), and the four points whose backward the
-    # twin's terms did not fit with flash (its planned extra layer; Gated DeltaNet's backward maps)
-    ("qwen tiny bf16 attention layers detached P=1200, flash", "configs/qwen3.6-tiny.yaml",
+    # the attention kernels' own moments: flash's capture on a model of attention layers only (no score
+    # blocks), and the plain twin's score blocks (ops.attention=plain) in the capture and under recompute
+    ("qwen tiny bf16 attention layers detached P=1200", "configs/qwen3.6-tiny.yaml",
      ["model.num_layers=2", "model.full_attention_interval=1", "model.intermediate_size=8", "model.dtype=bfloat16",
-      "replay.mode=detached", "ops.attention=flash"], 1200, 32, 2, []),
-    ("qwen tiny f32 detached P=1200, flash", "configs/qwen3.6-tiny.yaml",
-     ["replay.mode=detached", "ops.attention=flash"], 1200, 64, 2, []),
-    ("qwen tiny bf16 exact, chunk 64, flash", "configs/qwen3.6-tiny.yaml",
-     ["model.dtype=bfloat16", "replay.mode=exact", "replay.chunk_len=64", "ops.attention=flash"], 400, 64, 2, []),
-    ("qwen tiny f64 exact, chunk 32, flash", "configs/qwen3.6-tiny.yaml",
-     ["model.dtype=float64", "replay.mode=exact", "replay.chunk_len=32", "ops.attention=flash"], 200, 48, 3, []),
-    ("qwen tiny f32 exact chunk 96, recompute=layer, flash", "configs/qwen3.6-tiny.yaml",
-     ["replay.mode=exact", "replay.chunk_len=96", "memory.recompute=layer", "ops.attention=flash"], 300, 96, 4, []),
-    ("qwen tiny f32 exact, recompute + state offload, flash", "configs/qwen3.6-tiny.yaml",
-     ["replay.mode=exact", "memory.recompute=layer", "memory.state_offload=true", "ops.attention=flash"], 1200, 64, 2,
-     []),
+      "replay.mode=detached"], 1200, 32, 2, []),
+    ("qwen tiny f32 detached P=1200, twin", "configs/qwen3.6-tiny.yaml",
+     ["replay.mode=detached", "ops.attention=plain"], 1200, 64, 2, []),
+    ("qwen tiny f32 exact chunk 96, recompute=layer, twin", "configs/qwen3.6-tiny.yaml",
+     ["replay.mode=exact", "replay.chunk_len=96", "memory.recompute=layer", "ops.attention=plain"], 300, 96, 4, []),
     # the memory switches (config/memory.py): device and host bytes apart
     ("qwen tiny f32 detached P=1200", "configs/qwen3.6-tiny.yaml", ["replay.mode=detached"], 1200, 64, 2, []),
     ("qwen tiny f32 detached, recompute=layer", "configs/qwen3.6-tiny.yaml",

@@ -60,7 +60,8 @@ class RunConfig:
         Megatron-Core 0.19's HybridDeviceOptimizer works only inside its DistributedOptimizer (inside the
         mixed-precision optimizer its parameter map misses the float32 copies that optimizer swaps in:
         KeyError at the first step, seen on an H200)."""
-        return self.train.distributed_optimizer or (self.memory.optimizer_offload and self.train.grad_reduction == "step")
+        offload_step = self.memory.optimizer_offload and self.train.grad_reduction == "step"
+        return self.train.distributed_optimizer or offload_step
 
     def resolved_device(self) -> str:
         if self.device != "auto":

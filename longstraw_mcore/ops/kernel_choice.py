@@ -16,8 +16,8 @@ def attention_kernel_name(choice: str, device: str, dtype: str, head_dim: int, v
     "cuda") in `dtype` (its name: "bfloat16") with `head_dim`. flash: torch's op wherever it applies:
     every CPU float dtype where the values' head dim is the queries' (ops/flash_attention.py: the CPU op
     needs them equal), CUDA bf16 / fp16 with head dim <= 256 (flash where it does not apply is the
-    caller's error: ops/dispatch.py raises); auto: the same. plain: the twin. `planner`: "flash_cpu" for the CPU op, whose bf16 / fp16
-    work runs in float32 copies (the memory terms differ)."""
+    caller's error: ops/dispatch.py raises); auto: the same. plain: the twin. `planner`: "flash_cpu"
+    for the CPU op, whose bf16 / fp16 work runs in float32 copies (the memory terms differ)."""
     if choice == "plain":
         return "plain"
     if device == "cpu":

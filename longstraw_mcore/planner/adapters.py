@@ -92,7 +92,9 @@ def frozen_base_activation_delta(family, m, cfg_adapter, tp: int, T: int, layer:
     gradient): an upper bound's small excess."""
     if not cfg_adapter.enabled or family.name != "qwen3_5":
         return 0
-    e = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
+    from longstraw_mcore.planner.activations import _elem
+
+    e = _elem(m.dtype)
     w = max(4, e)
     kind = m.layer_types[layer]
     drop = (1 if produce_only else 2) * m.hidden_size * w
@@ -104,8 +106,6 @@ def frozen_base_activation_delta(family, m, cfg_adapter, tp: int, T: int, layer:
         drop += hv * m.linear_value_head_dim * e + hv * w
     sites = sites_of(family, m)
     targets = set(cfg_adapter.resolved_targets({s.target: s.shape for s in sites}))
-    mixer_only = {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
-                  "out_proj"}
-    pieces = sum(len(s.parts) for s in sites if s.layer == layer and s.target in targets
-                 and (not produce_only or s.target in mixer_only))
+    pieces = sum(1 for s in sites if s.layer == layer and s.target in targets
+                 for part in s.parts if not produce_only or ".mlp." not in part.module)  # produce_only: no MLP
     return T * (pieces * cfg_adapter.rank * e - drop)

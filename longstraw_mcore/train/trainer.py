@@ -112,7 +112,8 @@ def build_optimizer(ddp, cfg: RunConfig, par):
     ocfg = OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.lr, weight_decay=t.weight_decay,
                            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
                            clip_grad=t.clip_grad, bf16=cfg.model.dtype == "bfloat16",
-                           params_dtype=cfg.model.torch_dtype, use_distributed_optimizer=cfg.uses_distributed_optimizer(),
+                           params_dtype=cfg.model.torch_dtype,
+                           use_distributed_optimizer=cfg.uses_distributed_optimizer(),
                            **offload_kwargs(cfg))
     # use_gloo_process_groups=False: the groups come from the explicit collection (gloo on CPU anyway)
     return get_megatron_optimizer(ocfg, [ddp], use_gloo_process_groups=False, pg_collection=par.pgs)

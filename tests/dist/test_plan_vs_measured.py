@@ -16,11 +16,10 @@ parameters, planned (planner/memory.step_peak_bytes) and measured, each within 1
     and the recomputed layer's moments are modelled, planner/memory.py phase_bytes); and
     memory.optimizer_offload's host bytes (the micro_step master shards, Adam's
     moments, the gradient shards at the update) after a train step, f32 and bf16, within 10%;
-  - 6 points with ops.attention=flash (torch's fused CPU op, opt-in on CPU; the others run the twin): a
-    model of attention layers only in bfloat16 (flash's capture: no score blocks, the op's float32
-    copies), the hybrid at P=1,200 (Gated DeltaNet's counted capture), and the four points whose
-    backward the twin's terms did not fit with flash (bf16 and f64 exact; exact under recompute, with
-    and without state offload), each within 10%;
+  - the CPU points run ops.attention=auto, torch's fused CPU op; 3 points on the attention kernels' own
+    moments: a model of attention layers only in bfloat16 (flash's capture: no score blocks, the op's
+    float32 copies), and the plain twin (ops.attention=plain) at P=1,200 (its score blocks in the
+    capture) and in exact mode under recompute (in the backward), each within 10%;
   - 3 points through train.grad_reduction=micro_step's holder (train/zero2.py): without and with
     memory.grad_offload (detached f32; exact bf16 with recompute), the host side (staged gradients and
     shards) and the device side (the buckets, what autograd is making) within 10%."""
@@ -45,7 +44,7 @@ def test_planner_within_10_percent_of_measured_peaks():
 
     rows = h200_rows() + cpu_rows()
     print("\n" + table(rows))
-    assert len(rows) >= 40
+    assert len(rows) >= 37
     for r in rows:  # the host side (memory.state_offload): the state's homes and their exact-mode gradients
         if r.get("measured_host_bytes"):
             assert abs(r["planned_host_bytes"] / r["measured_host_bytes"] - 1) <= 0.10, r
@@ -54,4 +53,4 @@ def test_planner_within_10_percent_of_measured_peaks():
         switches = any(o.startswith("memory.") for o in r.get("overrides", []))
         tol = 0.15 if r["name"].startswith("glm") and not switches else 0.10
         assert abs(ratio - 1) <= tol, (r["name"], r["where"], r["P"], r["planned_bytes"], r["measured_bytes"])
-    assert sum(abs(r["planned_bytes"] / r["measured_bytes"] - 1) <= 0.10 for r in rows) >= 38
+    assert sum(abs(r["planned_bytes"] / r["measured_bytes"] - 1) <= 0.10 for r in rows) >= 36
