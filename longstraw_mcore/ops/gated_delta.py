@@ -11,9 +11,13 @@ with cumulative decay G_i = sum_{j<=i} g_j,
     O = (Q e^G) S_0 + (Q K^T * D) U                   D_ij = e^{G_i-G_j}, j <= i
     S_C = e^{G_C} S_0 + (K e^{G_C - G})^T U
 Both accept an initial state and return the final state: this is the hook prompt capture and branch
-replay use. Zero padding at the end of the sequence (k = v = 0, beta = 0, g = 0) leaves the state
-unchanged, so any T works. Everything runs in `state_dtype` (float32 under bf16/fp32 models,
-float64 under float64); inputs are cast in, outputs cast back.
+replay use. The chunked form does the intra-chunk work for every chunk and head at once (chunk-major,
+[n, B*H, C, *]); only the state recurrence loops over chunks, two products per chunk. With a graph the
+loop is one autograd node (`_StateLoop`: its backward is the reverse recurrence, two products per
+chunk) and the outputs one batched product over the entering states it keeps; without a graph it holds
+one state at a time and writes each chunk's output in the loop. A sequence that is not a whole number
+of chunks ends with a chunk of its own length (no padding). Everything runs in `state_dtype` (float32
+under bf16/fp32 models, float64 under float64); inputs are cast in, outputs cast back.
 """
 
 from __future__ import annotations
@@ -58,27 +62,109 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, state_dtype
     return o.transpose(1, 2).to(out_dtype), S
 
 
+class _StateLoop(torch.autograd.Function):
+    """The chunk loop's sequential part with autograd, chunk-major ([n, BH, ...]):
+
+        u_i = u0_i - w_i S_i,    S_{i+1} = d_i S_i + kd_i u_i        (S_0 = s0)
+
+    Returns (u [n, BH, C, V], S_1 .. S_{n-1} [n - 1, BH, K, V], S_n): the tensors autograd would keep
+    for the plain loop anyway, written in place (S_0 is the caller's, not copied). Its backward runs the
+    recurrence in reverse, two products per chunk (du_i = dU_i + kd_i^T dS_{i+1},
+    dS_i = dE_i + d_i dS_{i+1} - w_i^T du_i), and the gradients of w, kd and d for all chunks at once
+    afterwards: autograd over the plain loop runs ~20 nodes per chunk, which at 32-wide heads cost more
+    than their products. Like autograd it skips what nobody needs (S_0's gradient when s0 is a
+    constant, the last update's when S_n is unused), so the products and FLOPs are the plain loop's.
+    Products go through out= (FlopCounterMode counts them; it has no formula for in-place baddbmm_)."""
+
+    @staticmethod
+    def forward(ctx, u0, w, decay, kd, s0):
+        n = u0.shape[0]
+        rest = s0.new_empty((n - 1,) + tuple(s0.shape))
+        u = torch.empty_like(u0)
+        S = s0
+        for i in range(n):
+            torch.baddbmm(u0[i], w[i], S, alpha=-1, out=u[i])
+            nxt = rest[i] if i + 1 < n else s0.new_empty(s0.shape)
+            torch.baddbmm(S * decay[i][:, None, None], kd[i], u[i], out=nxt)
+            S = nxt
+        ctx.save_for_backward(w, decay, kd, s0, rest, u)
+        ctx.set_materialize_grads(False)
+        return u, rest, S
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_u, d_rest, d_final):
+        w, decay, kd, s0, rest, u = ctx.saved_tensors
+        n = u.shape[0]
+        du = torch.zeros_like(u) if d_u is None else d_u.clone()
+        after = u.new_empty((n,) + tuple(s0.shape))    # after[i] = dS_{i+1}
+        first = n - 1 if d_final is None else n        # the chunks whose dS_{i+1} may be nonzero
+        if d_final is None:
+            after[n - 1].zero_()
+        else:
+            after[n - 1].copy_(d_final)
+        d_s0 = None
+        for i in range(n - 1, -1, -1):
+            if i < first:
+                torch.baddbmm(du[i], kd[i].transpose(-1, -2), after[i], out=du[i])
+            if i == 0 and not ctx.needs_input_grad[4]:
+                break
+            carried = after[i] * decay[i][:, None, None]
+            if i and d_rest is not None:
+                carried += d_rest[i - 1]
+            dst = after[i - 1] if i else torch.empty_like(s0)
+            torch.baddbmm(carried, w[i].transpose(-1, -2), du[i], alpha=-1, out=dst)
+            if not i:
+                d_s0 = dst
+        d_w = d_kd = d_decay = None
+        if ctx.needs_input_grad[1]:
+            d_w = torch.empty_like(w)
+            torch.bmm(du[0], s0.transpose(-1, -2), out=d_w[0])
+            torch.matmul(du[1:], rest.transpose(-1, -2), out=d_w[1:])
+            d_w.neg_()
+        if ctx.needs_input_grad[3] or ctx.needs_input_grad[2]:   # (scratch kept to the outputs' size)
+            d_kd, d_decay = torch.empty_like(kd), torch.empty_like(decay)
+            torch.matmul(after[:first], u[:first].transpose(-1, -2), out=d_kd[:first])
+            d_kd[first:].zero_()
+            d_decay[first:].zero_()
+            if first:
+                torch.sum(after[0].mul_(s0), (-1, -2), out=d_decay[0])
+                torch.sum(after[1:first].mul_(rest[:first - 1]), (-1, -2), out=d_decay[1:first])
+        return du, d_w, d_decay, d_kd, d_s0
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
                            state_dtype=torch.float32):
-    """Chunked gated delta rule. Same contract as `recurrent_gated_delta_rule`."""
+    """Chunked gated delta rule. Same contract as `recurrent_gated_delta_rule`. A sequence that is not
+    a whole number of chunks ends with one chunk of its own length, continuing from the state the
+    whole chunks leave: nothing is padded, so a short replay segment or tail costs its own tokens."""
+    T = v.shape[1]
+    cut = T - T % chunk_size
+    if 0 < cut < T:
+        o, S = _whole_chunks(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], initial_state,
+                             chunk_size, state_dtype)
+        o_tail, S = _whole_chunks(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], S, T - cut,
+                                  state_dtype)
+        return torch.cat([o, o_tail], 1), S
+    return _whole_chunks(q, k, v, g, beta, initial_state, min(chunk_size, T) or chunk_size, state_dtype)
+
+
+def _whole_chunks(q, k, v, g, beta, initial_state, C: int, state_dtype):
+    """The chunked rule over a sequence of whole chunks of C tokens."""
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, state_dtype)
     B, H, T, Kd = k.shape
     Vd = v.shape[-1]
-    C = chunk_size
     S = (torch.zeros(B, H, Kd, Vd, dtype=state_dtype, device=v.device) if initial_state is None
          else initial_state.to(state_dtype))
     if T == 0:
         return v.new_zeros(B, 0, H, Vd).to(out_dtype), S
-    pad = (-T) % C
-    if pad:
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    n = (T + pad) // C
-    q, k, v = (x.reshape(B, H, n, C, -1) for x in (q, k, v))
-    g, beta = g.reshape(B, H, n, C), beta.reshape(B, H, n, C)
+    n = T // C
+    # chunk-major [n, B*H, C, *]: chunk i's operands are contiguous batches for the loop's products
+    q, k, v = (x.reshape(B * H, n, C, -1).transpose(0, 1).contiguous() for x in (q, k, v))
+    g, beta = (x.reshape(B * H, n, C).transpose(0, 1).contiguous() for x in (g, beta))
 
-    G = g.cumsum(-1)                                                     # [B,H,n,C]
+    G = g.cumsum(-1)                                                     # [n,BH,C]
     diff = G[..., :, None] - G[..., None, :]                             # G_i - G_j
     lower_incl = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
     # mask before exp: e^{G_i - G_j} for j > i would overflow and is never used
@@ -87,25 +173,27 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int
     A = (kb @ k.transpose(-1, -2)) * D                                   # unit-lower system I + strict(A)
     strict = torch.ones(C, C, dtype=torch.bool, device=v.device).tril(-1)
     system = torch.where(strict, A, torch.zeros_like(A)) + torch.eye(C, dtype=A.dtype, device=A.device)
-    U0 = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    W = torch.linalg.solve_triangular(system, kb * G.exp()[..., None], upper=False, unitriangular=True)
-    k_dec = (k * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2)  # [B,H,n,K,C]
-    chunk_decay = G[..., -1].exp()[..., None, None]                      # [B,H,n,1,1]
-
+    rhs = torch.cat([v * beta[..., None], kb * G.exp()[..., None]], dim=-1)   # one solve for both
+    U0, W = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split([Vd, Kd], -1)
+    del rhs
+    k_dec = (k * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2)  # [n,BH,K,C]
+    chunk_decay = G[..., -1].exp()                                       # [n,BH]
     q_dec = q * G.exp()[..., None]
-    intra = (q @ k.transpose(-1, -2)) * D                                # [B,H,n,C,C]
-    # The sequential part: per chunk, the correction U, the output and the state. Its operands come from
-    # unbind (one backward node that stacks every chunk's gradient) rather than indexing, whose backward
-    # writes each chunk's gradient into a zero tensor of the whole sequence: quadratic in the chunks.
-    outs = []
-    for u0, w, decay, kd, qd, it in zip(U0.unbind(2), W.unbind(2), chunk_decay.unbind(2), k_dec.unbind(2),
-                                        q_dec.unbind(2), intra.unbind(2)):
-        u = u0 - w @ S
-        outs.append(qd @ S + it @ u)
-        S = S * decay + kd @ u
-    o = torch.stack(outs, 2)
-    o = o.reshape(B, H, n * C, Vd)[:, :, :T]
-    return o.transpose(1, 2).to(out_dtype), S
+    intra = (q @ k.transpose(-1, -2)) * D                                # [n,BH,C,C]
+    S = S.reshape(B * H, Kd, Vd)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (U0, W, chunk_decay, k_dec, S)):
+        u, rest, S_n = _StateLoop.apply(U0, W, chunk_decay, k_dec, S)
+        # every chunk's output at once: o_i = (Q e^G)_i S_i + (Q K^T * D)_i u_i
+        o = torch.cat([(q_dec[0] @ S)[None], q_dec[1:] @ rest]) + intra @ u
+        S = S_n
+    else:  # no graph: one state at a time (a long capture must not hold every chunk's entering state)
+        o = U0.new_empty(n, B * H, C, Vd)
+        for i in range(n):
+            u = torch.baddbmm(U0[i], W[i], S, alpha=-1)
+            torch.baddbmm(torch.bmm(q_dec[i], S, out=o[i]), intra[i], u, out=o[i])
+            S = torch.baddbmm(S * chunk_decay[i][:, None, None], k_dec[i], u)
+    o = o.reshape(n, B, H, C, Vd).permute(1, 0, 3, 2, 4).reshape(B, T, H, Vd)
+    return o.to(out_dtype), S.reshape(B, H, Kd, Vd)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None):

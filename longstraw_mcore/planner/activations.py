@@ -12,8 +12,9 @@ bf16/fp32 models, float64 for float64), Hd hidden, local heads (/tp) throughout.
     MLP (SwiGLU)     fc1 input, fc1 output (2F), the gated product's two inputs and its output
     Gated DeltaNet   x; the conv window [Ch, T+W-1] and its output; q, k (repeated to the value
                      heads) in s with their norms; the chunked rule's per-chunk matrices: 5 of
-                     [C, C], 10 of [C, Dk], 2 of [C, Dv], per value head and chunk, and per chunk the
-                     state entering it and u; the gated norm's three s and three e [Dv] tensors
+                     [C, C], 6 of [C, Dk] (q, k, k*beta, W, the decayed k and q), 2 of [C, Dv] (v,
+                     U0) and 4 of [C] per value head and chunk, and per chunk the state entering it
+                     and u; the gated norm's three s and three e [Dv] tensors
     gated attention  x; k and q norms (two s copies each); RoPE angles; q, own k/v and the output
                      kept by the merge Function (the prompt K/V it reads are the state, counted
                      there); the gate's input and output and the output projection's input
@@ -52,8 +53,14 @@ def mlp_bytes(hidden: int, ffn_local: int, e: int) -> int:
     return hidden * e + 5 * ffn_local * e
 
 
+def chunk_map_elems(T: int, C: int) -> int:
+    """Elements of one [c, c] map per chunk over T tokens in GDN chunks of C: whole chunks, then a last
+    chunk of its own length (ops/gated_delta.py pads nothing)."""
+    return (T // C) * C * C + (T % C) ** 2
+
+
 def gdn_bytes(m, tp: int, T: int, keys: int = 0, wide: bool = False) -> int:
-    """T tokens (padded to the GDN chunk inside the rule) through one Gated DeltaNet mixer. `wide`: a
+    """T tokens (in GDN chunks, the last one of its own length) through one Gated DeltaNet mixer. `wide`: a
     chunk's pieces under context parallelism by sequence (parallel/cp_gdn.py): the rule's value-sized
     terms at Dk + Dv (values [0 | v] from the state [I | 0]), and its maps' corrections' input c [T, Hv, Dk]."""
     e, s = _elem(m.dtype), max(4, _elem(m.dtype))
@@ -62,12 +69,11 @@ def gdn_bytes(m, tp: int, T: int, keys: int = 0, wide: bool = False) -> int:
     Hd = m.hidden_size
     ch = 2 * hk * dk + hv * dv
     n = -(-T // C)
-    Tp = n * C
     b = T * Hd * e + ch * (T + W - 1) * e + ch * W * e + T * ch * e      # x, conv window, conv weight, conv out
     b += 3 * T * hv * s + 2 * T * hv * (dk + 1) * s                      # gates; q, k in s with 1/norm
     rv = dv + (dk if wide else 0)                                        # the rule's value width
-    b += hv * Tp * (5 * C + 10 * dk + 2 * rv + 3) * s + hv * n * s       # the chunked rule's matrices
-    b += n * hv * rv * (dk + C) * s                                      # per chunk: state in, u
+    b += hv * (5 * chunk_map_elems(T, C) + T * (6 * dk + 2 * rv + 4) + n) * s  # the chunked rule's matrices
+    b += hv * rv * (n * dk + T) * s                                      # per chunk: state in, u
     b += T * hv * dk * s if wide else 0                                  # c: the piece's output map
     b += T * hv * (3 * dv + 1) * s + 3 * T * hv * dv * e                 # gated norm, output projection input
     return b
@@ -186,8 +192,8 @@ def gdn_capture_bytes(m, T: int, keys: int = 0, tp: int = 1, attention: str = "p
     chunked rule (ops/gated_delta.py), where its per-chunk outputs are stacked while every map it made
     is alive; or, where larger, its MLP's moment. Alive then: the layer's input and normed input
     [T, Hd]; the q, k, v, b, a projections; the conv's input with its window [Ch, T+W-1] (the state's
-    window is cut from it) and its silu'd output [T, Ch]; beta and g, their padded copies and G; per
-    value head over the padded tokens Tp: 5 [C, C] maps per chunk (the gate differences, the decays,
+    window is cut from it) and its silu'd output [T, Ch]; beta and g, their chunk-major copies and G;
+    per value head: 5 [C, C] maps per chunk (the last chunk's of its own length) (the gate differences, the decays,
     A, the unit-lower system, the intra-chunk scores), 6 of [Dk] (q, k, k*beta, W, the decayed k and
     q) and 4 of [Dv] (v, U0, the outputs and their stack), all in s; below s the output's cast. At
     1,199 tokens of the tiny config (chunk 16): 6.87 MiB planned against 6.88 measured. `attention`
@@ -197,12 +203,11 @@ def gdn_capture_bytes(m, T: int, keys: int = 0, tp: int = 1, attention: str = "p
     hk, hv = m.linear_num_key_heads // tp, m.linear_num_value_heads // tp
     dk, dv, C, W = m.linear_key_head_dim, m.linear_value_head_dim, m.gdn_chunk_size, m.linear_conv_kernel_dim
     ch = 2 * hk * dk + hv * dv
-    Tp = -(-T // C) * C
     b = 2 * T * m.hidden_size * e                                         # input, normed input
     b += T * (2 * hk * dk + hv * dv + 2 * hv) * e                         # q, k, v, b, a projections
     b += ch * (T + W - 1) * e + T * ch * e                                # conv input with window; silu output
-    b += 2 * T * hv * s + 3 * Tp * hv * s                                 # beta, g; padded, G
-    b += hv * Tp * (5 * C + 6 * dk + 4 * dv) * s                          # the rule's maps
+    b += 5 * T * hv * s                                                   # beta, g; their copies, G
+    b += hv * (5 * chunk_map_elems(T, C) + T * (6 * dk + 4 * dv)) * s   # the rule's maps
     b += T * hv * dv * e if e != s else 0                                 # the output's cast
     return max(b, mlp_moment_bytes(m, T, tp))
 
@@ -214,11 +219,15 @@ tensors. Fitted to measurement, not derived from the code: 3.1 in a float32 repl
 
 
 def gdn_backward_scratch(m, T: int, keys: int = 0, tp: int = 1, attention: str = "plain") -> int:
-    """What a Gated DeltaNet layer's backward makes beside its saved tensors for T tokens (padded to the
-    chunk): GDN_BACKWARD_MAPS maps of [C, C] per chunk and value head in s (the gradients of the rule's
-    maps, made while the maps they consume are still saved)."""
+    """What a Gated DeltaNet layer's backward makes beside its saved tensors for T tokens:
+    GDN_BACKWARD_MAPS maps of [C, C] per chunk and value head in s (the gradients of the rule's
+    maps, made while the maps they consume are still saved), and the chunk loop's backward
+    (ops/gated_delta._StateLoop: all chunks at once) its du [T, Dv] and the gradients of W and of the
+    decayed keys [T, Dk] each, per value head in s."""
     s, C = max(4, _elem(m.dtype)), m.gdn_chunk_size
-    return GDN_BACKWARD_MAPS * (m.linear_num_value_heads // tp) * (-(-T // C) * C) * C * s
+    hv = m.linear_num_value_heads // tp
+    loop = hv * T * (m.linear_value_head_dim + 2 * m.linear_key_head_dim) * s
+    return GDN_BACKWARD_MAPS * hv * chunk_map_elems(T, C) * s + loop
 
 
 def index_bytes(m, T: int, keys: int, tp: int = 1) -> int:

@@ -23,9 +23,8 @@ output path) and its MLP are neither run nor differentiated.
 
 from __future__ import annotations
 
-import math
-
 from longstraw_mcore.parallel.cp import gdn_path, piece_bounds
+from longstraw_mcore.planner.activations import chunk_map_elems
 from longstraw_mcore.planner.flops import attn_pairs
 
 
@@ -114,9 +113,9 @@ class GatedDeltaNetFlops:
         """The rule and the conv over `tokens` in one run; `wide`: a sequence piece's run, on values K
         wider (module docstring)."""
         hv, ch, C, K, V = self._dims(m, tp)
-        n, V = math.ceil(tokens / C), V + (K if wide else 0)
-        per_chunk = 2 * hv * (2 * C * C * K + C * C * V + 2 * C * K * V + C * K * V)
-        return n * per_chunk + 2 * ch * m.linear_conv_kernel_dim * tokens
+        V = V + (K if wide else 0)
+        sq = chunk_map_elems(tokens, C)  # sum over chunks of c^2 (the last chunk of its own length)
+        return 2 * hv * (sq * (2 * K + V) + 3 * tokens * K * V) + 2 * ch * m.linear_conv_kernel_dim * tokens
 
     @staticmethod
     def _pieces(m, tp: int, cp: int) -> int:
@@ -136,18 +135,22 @@ class GatedDeltaNetFlops:
         (`final_grad` False), and the output path (Q K^T, (Q e^G) S, (Q K^T * D) U) when the layer's
         output feeds nothing (exact mode's last recomputed layer)."""
         hv, ch, C, K, V = self._dims(m, tp)
-        n, V = math.ceil(tokens / C), V + (K if wide else 0)
+        V = V + (K if wide else 0)
+        sq = chunk_map_elems(tokens, C)
         conv_fwd = 2 * ch * m.linear_conv_kernel_dim * tokens
         conv_bwd = conv_fwd * ch + conv_fwd  # FlopCounterMode: depthwise input-grad counted as dense
-        solve = n * 2 * hv * (C * C * V + C * C * K)
-        state_mm = 2 * hv * C * K * V  # one of W S, (Q e^G) S, (K e^{G_C-G})^T U for one chunk
-        unneeded = (0 if init_grad else 2 * state_mm) + (0 if final_grad else 2 * state_mm) if n else 0
+        solve = 2 * hv * sq * (V + K)
+        first, last = min(C, tokens), (tokens % C or C)  # the first and last chunks' lengths
+        state_mm = 2 * hv * K * V  # x c: one of W S, (Q e^G) S, (K e^{G_C-G})^T U for a chunk of c tokens
+        unneeded = ((0 if init_grad else 2 * state_mm * first) + (0 if final_grad else 2 * state_mm * last)
+                    if tokens else 0)
         full = 2 * (self._fwd(m, tp, tokens, wide) - conv_fwd) + conv_bwd + solve - unneeded
         if not output_unused:
             return full
         # output path: both operands of its three output matmuls in every chunk, less the entering-state
         # gradient of (Q e^G) S already left out above
-        return full - (n * 2 * (state_mm + 2 * hv * C * C * (V + K)) - (0 if init_grad or not n else state_mm))
+        return full - (2 * (state_mm * tokens + 2 * hv * sq * (V + K))
+                       - (0 if init_grad or not tokens else state_mm * first))
 
     def capture(self, m, tp, layer, chunks, kind, last=False, cp=1):
         W, pruned = self._weights(m, tp)

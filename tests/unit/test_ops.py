@@ -4,6 +4,8 @@ with a carried window, cached attention, and partial RoPE vs the reference's mul
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -48,6 +50,31 @@ def test_chunk_equals_recurrent_outputs_states_grads(T, chunk, h, H):
     ref = _run(lambda *a, **k: recurrent_gated_delta_rule(*a, state_dtype=F64), xs)
     got = _run(lambda *a, **k: chunk_gated_delta_rule(*a, chunk_size=chunk, state_dtype=F64), xs)
     _assert_close(got, ref, 1e-12, f"T={T} chunk={chunk}")
+
+
+@pytest.mark.parametrize("use", ["out", "state", "out+const_s0"])
+def test_chunk_gradients_when_part_is_unused(use):
+    """The chunk loop's backward (ops/gated_delta._StateLoop) skips what nobody needs, as autograd would:
+    the entering state's gradient for a constant one, the last update's for an unused final state, the
+    outputs' path for unused outputs. Gradients still equal the token-by-token rule's (float64)."""
+    q, k, v, g, beta, s0 = _inputs(2, 37, 2, 4, 8, 6, seed=11)
+    if use == "out+const_s0":
+        s0 = s0.detach()
+    init = None if use == "out" else s0
+    xs = [q, k, v, g, beta] + ([s0] if use == "state" else [])
+    w = torch.randn(2, 37, 4, 6, generator=torch.Generator().manual_seed(9), dtype=F64)
+    ws = torch.randn(2, 4, 8, 6, generator=torch.Generator().manual_seed(8), dtype=F64)
+    grads = []
+    for fn in (recurrent_gated_delta_rule, functools.partial(chunk_gated_delta_rule, chunk_size=8)):
+        o, s = fn(q, k, v, g, beta, init, state_dtype=F64)
+        grads.append(torch.autograd.grad((s * ws).sum() if use == "state" else (o * w).sum(), xs,
+                                         allow_unused=True))
+    for name, a, b in zip("q k v g beta s0".split(), *grads):
+        if name == "q" and use == "state":  # the final state does not depend on q
+            assert a is None and b is None
+            continue
+        err = float((a - b).abs().max() / b.abs().max())
+        assert err <= 1e-12, (use, name, err)
 
 
 def test_state_continuation_equals_one_pass():
