@@ -189,14 +189,16 @@ def mlp_moment_bytes(m, T: int, tp: int = 1) -> int:
 
 def gdn_capture_bytes(m, T: int, keys: int = 0, tp: int = 1, attention: str = "plain") -> int:
     """A Gated DeltaNet layer's capture peak for a chunk of T tokens (no autograd), at the end of the
-    chunked rule (ops/gated_delta.py), where its per-chunk outputs are stacked while every map it made
-    is alive; or, where larger, its MLP's moment. Alive then: the layer's input and normed input
-    [T, Hd]; the q, k, v, b, a projections; the conv's input with its window [Ch, T+W-1] (the state's
-    window is cut from it) and its silu'd output [T, Ch]; beta and g, their chunk-major copies and G;
-    per value head: 5 [C, C] maps per chunk (the last chunk's of its own length) (the gate differences, the decays,
-    A, the unit-lower system, the intra-chunk scores), 6 of [Dk] (q, k, k*beta, W, the decayed k and
-    q) and 4 of [Dv] (v, U0, the outputs and their stack), all in s; below s the output's cast. At
-    1,199 tokens of the tiny config (chunk 16): 6.87 MiB planned against 6.88 measured. `attention`
+    chunked rule (ops/gated_delta.py), where its outputs are copied to token-major order while every
+    map it made is alive; or, where larger, its MLP's moment. Alive then: the layer's input and normed
+    input [T, Hd]; the q, k, v, b, a projections; the conv's input with its window [Ch, T+W-1] (the
+    state's window is cut from it) and its silu'd output [T, Ch]; beta and g, their chunk-major copies
+    and G; per value head 5 [C, C] maps per chunk, the last chunk's of its own length (the gate
+    differences, the decays, A, the unit-lower system, the intra-chunk scores), 6 of [Dk] (q, k,
+    k*beta, W, the decayed k and q) and 4 of [Dv] (v, U0, the outputs and their token-major copy), all
+    in s; below s the output's cast. plan_vs_measured's "qwen tiny f32 detached P=1200" point (chunk
+    16) read 1.005 planned / measured on 7cb24cd (before it, 6.87 MiB planned against 6.88 measured
+    for this layer alone at 1,199 tokens). `attention`
     is the attention layers' kernel (no term here). Under context parallelism by sequence the planner
     takes the layer's upper bound instead (gdn_bytes `wide`)."""
     e, s = _elem(m.dtype), max(4, _elem(m.dtype))
