@@ -12,7 +12,8 @@
 no-grad prompt cache + per-branch autograd, and our detached and exact modes (longstraw_mcore/bench/
 vs_transformers.py): seconds per path and phase, speed-ups, and each of our gradients against its
 transformers peer. Each path runs twice per point and its second run is timed (a training loop's
-steady state; --cold times the first, whose seconds the JSON keeps either way).
+steady state; --cold times the first, whose seconds the JSON keeps either way). The config's
+memory.host_heap applies to the whole process (bench-hybrid-256.yaml: retain), both peers alike.
 
 --tree WIDTHS:LENGTHS replaces each point's responses by a full prefix tree (widths[d] children per node
 at depth d, segments of lengths[d] tokens, the last the responses' own tails; the example: G=16
@@ -169,6 +170,10 @@ def main(argv=None) -> int:
         cfg = load_config(a.config, [*a.overrides, "ops.attention=plain"])
         print("(CPU: ops.attention=plain, as FlopCounterMode does not count the fused CPU attention op; pass "
               "ops.attention=auto to time that op, its FLOP columns then leave the attention out)", flush=True)
+    if cfg.memory.host_heap != "system":
+        raise SystemExit(f"memory.host_heap={cfg.memory.host_heap}: this table's peak-memory columns follow "
+                         "resident memory as tensors are freed, which a retained heap hides; use system here "
+                         "(--vs-transformers takes retain: it measures time only)")
     par = setup_parallel(cfg)
     m = cfg.model
     from longstraw_mcore.ops.dispatch import configure
@@ -258,6 +263,7 @@ def vs_transformers(a) -> int:
     from longstraw_mcore.config import load_config
     from longstraw_mcore.data.rollouts import RolloutGroup
     from longstraw_mcore.families import get_family
+    from longstraw_mcore.memory import host_heap
     from longstraw_mcore.ops.dispatch import configure
     from longstraw_mcore.parallel.groups import setup_parallel
 
@@ -270,6 +276,7 @@ def vs_transformers(a) -> int:
         raise SystemExit(f"--vs-transformers: model.family={m.family!r}; the side-by-side runs the qwen3_5 family")
     par = setup_parallel(cfg)
     configure(cfg.ops)
+    host_heap.apply(cfg.memory.host_heap)  # (process-wide: transformers' paths run under it too)
     model = get_family(m.family).build_model(m, par, cfg.resolved_device())
     hf = vt.build_hf(m).to(par.device)
     vt.load_same_weights(model, hf, m)
@@ -284,7 +291,8 @@ def vs_transformers(a) -> int:
                 responses = [torch.randint(0, m.vocab_size, (R,), generator=gen).tolist() for _ in range(G)]
                 group = RolloutGroup(prompt=prompt, responses=responses, rewards=[float(i % 3) for i in range(G)])
                 print(f"P={P} R={R} G={G} ({m.dtype}, {torch.get_num_threads()} threads, ops.attention="
-                      f"{cfg.ops.attention}, ops.gdn={cfg.ops.gdn}):", flush=True)
+                      f"{cfg.ops.attention}, ops.gdn={cfg.ops.gdn}, memory.host_heap={host_heap.applied()}):",
+                      flush=True)
                 res = vt.run_point(model, hf, m, group, cfg.replay, cfg.grpo, copies=a.hf_full_copies, warm=not a.cold,
                                    progress=lambda s: print(s, flush=True))
                 rows.append({"P": P, "R": R, "G": G, "paths": res})
@@ -298,7 +306,8 @@ def vs_transformers(a) -> int:
                               kern["transformers"]["forward_backward_tokens_per_s"], kern["max_abs_diff"]), flush=True)
                 with open(a.out, "w") as f:
                     json.dump({"config": config, "device": str(par.device), "dtype": m.dtype,
-                               "threads": torch.get_num_threads(), "overrides": a.overrides, "rows": rows}, f, indent=1)
+                               "host_heap": host_heap.applied(), "threads": torch.get_num_threads(),
+                               "overrides": a.overrides, "rows": rows}, f, indent=1)
     print(vs_table(rows))
     print(f"wrote {a.out}")
     return 0

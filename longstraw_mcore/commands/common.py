@@ -68,9 +68,11 @@ def build_and_load(cfg, par, hf, load, log_prefix, adapter=None):
     with cfg.adapter.rank > 0 the base frozen and LoRA adapters on it (`adapter`: their whole tensors
     from resolve_adapter, or None for a new adapter)."""
     from longstraw_mcore.families import get_family
+    from longstraw_mcore.memory import host_heap
     from longstraw_mcore.ops.dispatch import configure
 
     configure(cfg.ops)
+    host_heap.apply(cfg.memory.host_heap)
     family = get_family(cfg.model.family)
     model = family.build_model(cfg.model, par, cfg.resolved_device())
     if hf:

@@ -34,6 +34,12 @@ class MemoryConfig:
     is copied to a host buffer (pinned on CUDA) the moment autograd completes it in a backward and its
     `.grad` freed; a micro-step's reduce-scatter brings it back one bucket (train.grad_bucket_mib) at a
     time, and the float32 shards it adds into live in host memory (memory/grad_stage.py)."""
+    host_heap: Literal["system", "retain"] = "system"
+    """What the process's C allocator does with freed host memory (memory/host_heap.py; CPU runs, where
+    activations live there). system: glibc's default (a large block is its own mapping, returned when
+    freed and faulted in again next step); retain: freed memory stays in the process for the next step
+    (the counterpart of CUDA's caching allocator): no page faults in a steady loop, resident memory at
+    the step's high-water mark (the planner's figures are live tensors, as CUDA's `allocated`)."""
     mla_query_block: int = 0
     """GLM's sparse MLA in replay and the exact sweep: queries in blocks of this many, each block's
     selected latents recomputed in its backward (activations O(block x top-k), not O(R x top-k));

@@ -4,6 +4,7 @@
     staging.py   where a layer's prompt state lives between its runs (host memory, fp8 blocks) and how it
                  is brought to the device while the layer runs
     fp8.py       float8 e4m3 rows with a float32 scale per block of 128 values
+    host_heap.py   memory.host_heap: whether glibc keeps freed host memory for the next step (CPU runs)
     grad_stage.py  memory.grad_offload: each gradient to a host buffer as autograd completes it (train/zero2.py
                  reduces from there)
 

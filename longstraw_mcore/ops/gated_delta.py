@@ -165,16 +165,16 @@ def _whole_chunks(q, k, v, g, beta, initial_state, C: int, state_dtype):
     g, beta = (x.reshape(B * H, n, C).transpose(0, 1).contiguous() for x in (g, beta))
 
     G = g.cumsum(-1)                                                     # [n,BH,C]
-    diff = G[..., :, None] - G[..., None, :]                             # G_i - G_j
-    lower_incl = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
-    # mask before exp: e^{G_i - G_j} for j > i would overflow and is never used
-    D = torch.where(lower_incl, diff, torch.full_like(diff, float("-inf"))).exp()
+    above = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1)
+    # D_ij = e^{G_i - G_j}, masked before exp (for j > i it would overflow and is never used); in place:
+    # the difference is a new tensor and neither the mask nor the subtraction needs it for the backward
+    D = (G[..., :, None] - G[..., None, :]).masked_fill_(above, float("-inf")).exp_()
     kb = k * beta[..., None]
-    A = (kb @ k.transpose(-1, -2)) * D                                   # unit-lower system I + strict(A)
-    strict = torch.ones(C, C, dtype=torch.bool, device=v.device).tril(-1)
-    system = torch.where(strict, A, torch.zeros_like(A)) + torch.eye(C, dtype=A.dtype, device=A.device)
+    A = (kb @ k.transpose(-1, -2)) * D
+    # the system is I + strict_lower(A): a unit-triangular solve reads neither A's diagonal nor its upper
+    # part (zero anyway) and gives them no gradient, so A goes in as it is
     rhs = torch.cat([v * beta[..., None], kb * G.exp()[..., None]], dim=-1)   # one solve for both
-    U0, W = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split([Vd, Kd], -1)
+    U0, W = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split([Vd, Kd], -1)
     del rhs
     k_dec = (k * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2)  # [n,BH,K,C]
     chunk_decay = G[..., -1].exp()                                       # [n,BH]

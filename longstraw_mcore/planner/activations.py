@@ -193,8 +193,9 @@ def gdn_capture_bytes(m, T: int, keys: int = 0, tp: int = 1, attention: str = "p
     map it made is alive; or, where larger, its MLP's moment. Alive then: the layer's input and normed
     input [T, Hd]; the q, k, v, b, a projections; the conv's input with its window [Ch, T+W-1] (the
     state's window is cut from it) and its silu'd output [T, Ch]; beta and g, their chunk-major copies
-    and G; per value head 5 [C, C] maps per chunk, the last chunk's of its own length (the gate
-    differences, the decays, A, the unit-lower system, the intra-chunk scores), 6 of [Dk] (q, k,
+    and G; per value head 3 [C, C] maps per chunk, the last chunk's of its own length (the decays,
+    made in place from the gate differences; A, which the unit-triangular solve reads as it is; the
+    intra-chunk scores), 6 of [Dk] (q, k,
     k*beta, W, the decayed k and q) and 4 of [Dv] (v, U0, the outputs and their token-major copy), all
     in s; below s the output's cast. plan_vs_measured's "qwen tiny f32 detached P=1200" point (chunk
     16) read 1.005 planned / measured on 7cb24cd (before it, 6.87 MiB planned against 6.88 measured
@@ -209,7 +210,7 @@ def gdn_capture_bytes(m, T: int, keys: int = 0, tp: int = 1, attention: str = "p
     b += T * (2 * hk * dk + hv * dv + 2 * hv) * e                         # q, k, v, b, a projections
     b += ch * (T + W - 1) * e + T * ch * e                                # conv input with window; silu output
     b += 5 * T * hv * s                                                   # beta, g; their copies, G
-    b += hv * (5 * chunk_map_elems(T, C) + T * (6 * dk + 4 * dv)) * s   # the rule's maps
+    b += hv * (3 * chunk_map_elems(T, C) + T * (6 * dk + 4 * dv)) * s   # the rule's maps
     b += T * hv * dv * e if e != s else 0                                 # the output's cast
     return max(b, mlp_moment_bytes(m, T, tp))
 
