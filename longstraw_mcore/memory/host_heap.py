@@ -11,8 +11,9 @@
 Measured on this project's 2-core CPU machine (tools/bench_replay.py --vs-transformers, P=16,384): exact
 mode's capture keeps its graph (GiBs of saved tensors) and under `system` faulted 177,000 pages in a
 warm step (1.7 million in the first), 5.7-7.5 s against detached's 5.1-5.3 s for the same forward;
-under `retain`, tens of faults in a warm step and 5.1 s. Process-wide and one-way (glibc cannot be put back on its dynamic threshold), so the
-benchmarks that measure resident memory refuse it. glibc only: elsewhere `retain` is an error."""
+under `retain`, tens of faults in a warm step and 5.1 s. Process-wide and one-way (glibc cannot be put
+back on its dynamic threshold), so the benchmarks that measure resident memory refuse it. glibc only:
+elsewhere `retain` is an error."""
 
 from __future__ import annotations
 

@@ -195,12 +195,12 @@ def gdn_capture_bytes(m, T: int, keys: int = 0, tp: int = 1, attention: str = "p
     state's window is cut from it) and its silu'd output [T, Ch]; beta and g, their chunk-major copies
     and G; per value head 3 [C, C] maps per chunk, the last chunk's of its own length (the decays,
     made in place from the gate differences; A, which the unit-triangular solve reads as it is; the
-    intra-chunk scores), 6 of [Dk] (q, k,
-    k*beta, W, the decayed k and q) and 4 of [Dv] (v, U0, the outputs and their token-major copy), all
-    in s; below s the output's cast. plan_vs_measured's "qwen tiny f32 detached P=1200" point (chunk
-    16) read 1.005 planned / measured on 7cb24cd (before it, 6.87 MiB planned against 6.88 measured
-    for this layer alone at 1,199 tokens). `attention`
-    is the attention layers' kernel (no term here). Under context parallelism by sequence the planner
+    intra-chunk scores), 6 of [Dk] (q, k, k*beta, W, the decayed k and q) and 4 of [Dv] (v, U0, the
+    outputs and their token-major copy), all in s; below s the output's cast. plan_vs_measured's detached recompute points at P=1200 (chunk 16),
+    whose peak this moment sets, read 1.047-1.052 planned / measured on 77e4d45 (with the 5 maps the
+    rule made before it, 1.13-1.15 against its code; on the padded rule, 6.87 MiB planned against 6.88
+    measured for this layer alone at 1,199 tokens). `attention` is the attention layers' kernel (no
+    term here). Under context parallelism by sequence the planner
     takes the layer's upper bound instead (gdn_bytes `wide`)."""
     e, s = _elem(m.dtype), max(4, _elem(m.dtype))
     hk, hv = m.linear_num_key_heads // tp, m.linear_num_value_heads // tp
