@@ -39,17 +39,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from longstraw_mcore.memory import host_heap  # noqa: E402
 
-def _libc():
-    import ctypes
-
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
+_LIBC = host_heap.libc()
 
 
 def _rss_follows_tensors() -> None:
@@ -57,7 +49,7 @@ def _rss_follows_tensors() -> None:
     when freed, so resident memory follows the live tensors instead of glibc's retained heap (for the
     peak-memory columns; it costs page faults, so the side-by-side timing leaves it off)."""
     if _LIBC is not None:
-        _LIBC.mallopt(-3, 128 * 1024)
+        _LIBC.mallopt(host_heap.M_MMAP_THRESHOLD, 128 * 1024)
 
 
 class RssPeak:
@@ -263,7 +255,6 @@ def vs_transformers(a) -> int:
     from longstraw_mcore.config import load_config
     from longstraw_mcore.data.rollouts import RolloutGroup
     from longstraw_mcore.families import get_family
-    from longstraw_mcore.memory import host_heap
     from longstraw_mcore.ops.dispatch import configure
     from longstraw_mcore.parallel.groups import setup_parallel
 

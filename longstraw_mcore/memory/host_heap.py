@@ -21,11 +21,14 @@ import ctypes
 import ctypes.util
 
 M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 _applied: str | None = None
 
 
-def _libc():
+def libc():
+    """This process's C library when it has glibc's mallopt (tools/bench_replay.py sets its own
+    threshold for the peak-memory columns and trims), else None."""
     name = ctypes.util.find_library("c")
     try:
         lib = ctypes.CDLL(name or "libc.so.6")
@@ -41,7 +44,7 @@ def apply(policy: str) -> None:
         return
     if policy != "retain":
         raise ValueError(f"memory.host_heap={policy!r}: must be one of ('system', 'retain')")
-    lib = _libc()
+    lib = libc()
     if lib is None:
         raise RuntimeError("memory.host_heap=retain needs glibc's mallopt, which this process's C library "
                            "lacks; use memory.host_heap=system")

@@ -165,6 +165,7 @@ def _whole_chunks(q, k, v, g, beta, initial_state, C: int, state_dtype):
     g, beta = (x.reshape(B * H, n, C).transpose(0, 1).contiguous() for x in (g, beta))
 
     G = g.cumsum(-1)                                                     # [n,BH,C]
+    eG = G.exp()
     above = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1)
     # D_ij = e^{G_i - G_j}, masked before exp (for j > i it would overflow and is never used); in place:
     # the difference is a new tensor and neither the mask nor the subtraction needs it for the backward
@@ -173,12 +174,12 @@ def _whole_chunks(q, k, v, g, beta, initial_state, C: int, state_dtype):
     A = (kb @ k.transpose(-1, -2)) * D
     # the system is I + strict_lower(A): a unit-triangular solve reads neither A's diagonal nor its upper
     # part (zero anyway) and gives them no gradient, so A goes in as it is
-    rhs = torch.cat([v * beta[..., None], kb * G.exp()[..., None]], dim=-1)   # one solve for both
+    rhs = torch.cat([v * beta[..., None], kb * eG[..., None]], dim=-1)   # one solve for both
     U0, W = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split([Vd, Kd], -1)
     del rhs
     k_dec = (k * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2)  # [n,BH,K,C]
     chunk_decay = G[..., -1].exp()                                       # [n,BH]
-    q_dec = q * G.exp()[..., None]
+    q_dec = q * eG[..., None]
     intra = (q @ k.transpose(-1, -2)) * D                                # [n,BH,C,C]
     S = S.reshape(B * H, Kd, Vd)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (U0, W, chunk_decay, k_dec, S)):

@@ -13,7 +13,7 @@ bf16/fp32 models, float64 for float64), Hd hidden, local heads (/tp) throughout.
     Gated DeltaNet   x; the conv window [Ch, T+W-1] and its output; q, k (repeated to the value
                      heads) in s with their norms; the chunked rule's per-chunk matrices: 5 of
                      [C, C], 6 of [C, Dk] (q, k, k*beta, W, the decayed k and q), 2 of [C, Dv] (v,
-                     U0) and 4 of [C] per value head and chunk, and per chunk the state entering it
+                     U0) and 3 of [C] per value head and chunk, and per chunk the state entering it
                      and u; the gated norm's three s and three e [Dv] tensors
     gated attention  x; k and q norms (two s copies each); RoPE angles; q, own k/v and the output
                      kept by the merge Function (the prompt K/V it reads are the state, counted
@@ -72,7 +72,7 @@ def gdn_bytes(m, tp: int, T: int, keys: int = 0, wide: bool = False) -> int:
     b = T * Hd * e + ch * (T + W - 1) * e + ch * W * e + T * ch * e      # x, conv window, conv weight, conv out
     b += 3 * T * hv * s + 2 * T * hv * (dk + 1) * s                      # gates; q, k in s with 1/norm
     rv = dv + (dk if wide else 0)                                        # the rule's value width
-    b += hv * (5 * chunk_map_elems(T, C) + T * (6 * dk + 2 * rv + 4) + n) * s  # the chunked rule's matrices
+    b += hv * (5 * chunk_map_elems(T, C) + T * (6 * dk + 2 * rv + 3) + n) * s  # the chunked rule's matrices
     b += hv * rv * (n * dk + T) * s                                      # per chunk: state in, u
     b += T * hv * dk * s if wide else 0                                  # c: the piece's output map
     b += T * hv * (3 * dv + 1) * s + 3 * T * hv * dv * e                 # gated norm, output projection input
@@ -196,12 +196,12 @@ def gdn_capture_bytes(m, T: int, keys: int = 0, tp: int = 1, attention: str = "p
     and G; per value head 3 [C, C] maps per chunk, the last chunk's of its own length (the decays,
     made in place from the gate differences; A, which the unit-triangular solve reads as it is; the
     intra-chunk scores), 6 of [Dk] (q, k, k*beta, W, the decayed k and q) and 4 of [Dv] (v, U0, the
-    outputs and their token-major copy), all in s; below s the output's cast. plan_vs_measured's detached recompute points at P=1200 (chunk 16),
-    whose peak this moment sets, read 1.047-1.052 planned / measured on 77e4d45 (with the 5 maps the
-    rule made before it, 1.13-1.15 against its code; on the padded rule, 6.87 MiB planned against 6.88
-    measured for this layer alone at 1,199 tokens). `attention` is the attention layers' kernel (no
-    term here). Under context parallelism by sequence the planner
-    takes the layer's upper bound instead (gdn_bytes `wide`)."""
+    outputs and their token-major copy), all in s; below s the output's cast. plan_vs_measured's
+    detached recompute points at P=1200 (chunk 16), whose peak this moment sets, read 1.047-1.052
+    planned / measured on 77e4d45 (with the 5 maps the rule made before it, 1.13-1.15 against its
+    code; on the padded rule, 6.87 MiB planned against 6.88 measured for this layer alone at 1,199
+    tokens). `attention` is the attention layers' kernel (no term here). Under context parallelism
+    by sequence the planner takes the layer's upper bound instead (gdn_bytes `wide`)."""
     e, s = _elem(m.dtype), max(4, _elem(m.dtype))
     hk, hv = m.linear_num_key_heads // tp, m.linear_num_value_heads // tp
     dk, dv, C, W = m.linear_key_head_dim, m.linear_value_head_dim, m.gdn_chunk_size, m.linear_conv_kernel_dim
