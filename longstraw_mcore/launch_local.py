@@ -36,8 +36,9 @@ PRELOAD = ("longstraw_mcore", "torch", "torch.distributed", "megatron.core.paral
            "megatron.core.tensor_parallel", "megatron.core.models.gpt", "megatron.core.distributed",
            "megatron.core.optimizer", "megatron.core.transformer.moe.moe_layer", "transformers",
            # the two families' transformers models (the references ranks build): importing one imports
-           # torch._dynamo and torch._inductor (transformers' hub kernels), ~3 s a rank otherwise
-           "transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
+           # torch._dynamo and torch._inductor (transformers' hub kernels), ~3 s a rank otherwise; Qwen3.5's
+           # with its torch Gated DeltaNet rule bound, never fla's (bench/hf_kernels.py)
+           "longstraw_mcore.bench.hf_torch_reference", "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
 
 
 class RankFailure(RuntimeError):

@@ -5,7 +5,7 @@
 # so clean clones and CI reuse it while a changed pin forces a fresh one. It holds the dependencies
 # only; the project itself runs from the checkout (scripts put it on PYTHONPATH), so two checkouts
 # can share one venv. Override the location with LONGSTRAW_VENV_ROOT.
-#   usage: scripts/env.sh [--test]      (--test adds the `test` extra: pytest, transformers)
+#   usage: scripts/env.sh [--test]      (--test adds the `test` extra: pytest, transformers, fla-core)
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 extra="${1:-}"
@@ -62,9 +62,6 @@ PY
   "$venv/bin/python" -m pip install -q -c "$repo/requirements/constraints.txt" -r "$venv/test-deps.txt" >&2
   if "$venv/bin/python" -c 'import transformer_engine' 2>/dev/null || "$venv/bin/python" -m pip show -q transformer-engine >/dev/null 2>&1; then
     echo "error: transformer-engine found in the CPU venv $venv; it breaks 'import megatron.core'" >&2; exit 1
-  fi
-  if "$venv/bin/python" -m pip show -q flash-linear-attention >/dev/null 2>&1; then
-    echo "error: flash-linear-attention found in the test venv; the HF reference must take its torch path" >&2; exit 1
   fi
   touch "$(stamp test)"
 fi

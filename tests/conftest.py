@@ -1,6 +1,12 @@
 """Test-wide set-up: make tests/ importable (shared reference builders live there) for the test
-process and, through sys.path, for the ranks it spawns."""
+process and, through sys.path, for the ranks it spawns; and bind transformers' Qwen3.5 reference to its
+own torch Gated DeltaNet rule before anything imports it (flash-linear-attention is installed for the
+Triton interpreter tests, and transformers would otherwise bind fla's kernel: bench/hf_kernels.py)."""
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from longstraw_mcore.bench.hf_kernels import qwen3_5_modeling  # noqa: E402
+
+qwen3_5_modeling(fla=False)

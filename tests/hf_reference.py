@@ -21,7 +21,11 @@ def tiny_model_config(**overrides) -> Qwen35Config:
 
 
 def build_hf_model(m: Qwen35Config, seed: int = 0):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5TextConfig
+
+    from longstraw_mcore.bench.hf_kernels import qwen3_5_modeling
+
+    Qwen3_5ForCausalLM = qwen3_5_modeling(fla=False).Qwen3_5ForCausalLM  # its torch rule, never fla
 
     raw = hf_config_dict(m)
     raw.pop("architectures")

@@ -269,7 +269,11 @@ def vs_transformers(a) -> int:
     configure(cfg.ops)
     host_heap.apply(cfg.memory.host_heap)  # (process-wide: transformers' paths run under it too)
     model = get_family(m.family).build_model(m, par, cfg.resolved_device())
-    hf = vt.build_hf(m).to(par.device)
+    # transformers with its fast Gated DeltaNet path where it has one: fla on CUDA (bench/hf_kernels.py)
+    import importlib.util
+
+    hf_fla = par.device.type == "cuda" and importlib.util.find_spec("fla") is not None
+    hf = vt.build_hf(m, fla=hf_fla).to(par.device)
     vt.load_same_weights(model, hf, m)
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -297,6 +301,7 @@ def vs_transformers(a) -> int:
                               kern["transformers"]["forward_backward_tokens_per_s"], kern["max_abs_diff"]), flush=True)
                 with open(a.out, "w") as f:
                     json.dump({"config": config, "device": str(par.device), "dtype": m.dtype,
+                               "transformers_gdn_rule": "fla" if hf_fla else "torch",
                                "host_heap": host_heap.applied(), "threads": torch.get_num_threads(),
                                "overrides": a.overrides, "rows": rows}, f, indent=1)
     print(vs_table(rows))

@@ -55,11 +55,15 @@ def assigning_linear_cache():
         LinearAttentionLayer.update_conv_state, LinearAttentionLayer.update_recurrent_state = orig_conv, orig_rec
 
 
-def build_hf(m, attn: str = "sdpa", seed: int = 0):
-    """A randomly initialised `Qwen3_5ForCausalLM` of our config `m` (its own init), in m's dtype."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+def build_hf(m, attn: str = "sdpa", seed: int = 0, fla: bool = False):
+    """A randomly initialised `Qwen3_5ForCausalLM` of our config `m` (its own init), in m's dtype, running
+    flash-linear-attention's Gated DeltaNet rule (`fla`) or its torch one (bench/hf_kernels.py)."""
+    from transformers import Qwen3_5TextConfig
 
+    from longstraw_mcore.bench.hf_kernels import qwen3_5_modeling
     from longstraw_mcore.checkpoint.qwen3_5 import hf_config_dict
+
+    Qwen3_5ForCausalLM = qwen3_5_modeling(fla).Qwen3_5ForCausalLM
 
     raw = hf_config_dict(m)
     for k in ("architectures", "model_type", "dtype"):
@@ -209,7 +213,12 @@ def gdn_kernels(m, T: int, repeats: int = 3, device="cpu") -> dict:
     (`torch_chunk_gated_delta_rule`, what it runs without flash-linear-attention), on the same inputs of
     one layer of `m` over T tokens: tokens/s without autograd (capture) and forward + backward (replay,
     the exact sweep), best of `repeats`; and the outputs' largest difference."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    import sys
+
+    from longstraw_mcore.bench.hf_kernels import _MODULE, qwen3_5_modeling, torch_rule
+
+    # transformers' own torch rule even where the process bound fla's (the name forwards to the binding)
+    torch_chunk_gated_delta_rule = torch_rule(sys.modules.get(_MODULE) or qwen3_5_modeling(fla=False))
 
     from longstraw_mcore.ops.gated_delta import chunk_gated_delta_rule
 

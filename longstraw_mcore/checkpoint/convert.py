@@ -114,7 +114,7 @@ def load_hf_into_model(family, model, src: str | Path, expect: ModelConfig | Non
 
 def _check_same_dims(m: ModelConfig, expect: ModelConfig, src) -> None:
     # run-time choices, and the IndexShare parameters (the per-layer `indexer_types` they give are compared)
-    ignore = {"dtype", "gdn_chunk_size", "attention_block", "index_block", "make_vocab_size_divisible_by",
+    ignore = {"dtype", "gdn_chunk_size", "gdn_cp", "attention_block", "index_block", "make_vocab_size_divisible_by",
               "index_topk_freq", "index_skip_topk_offset"}
     a, b = dataclasses.asdict(m), dataclasses.asdict(expect)
     diff = {k: (a[k], b[k]) for k in a if k not in ignore and a[k] != b[k]}

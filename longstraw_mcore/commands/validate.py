@@ -1,5 +1,6 @@
 """`longstraw validate`: one branch-replay step without an optimizer update. Writes DIR/receipt.json
-(loss, per-token log-probs, grad norm, mode, layout, peak bytes, seconds per phase) and, with
+(loss, per-token log-probs, grad norm, mode, layout, peak bytes, seconds per phase, the kernels each op
+ran: `kernels`, {op: {kernel: calls summed over ranks}}, ops/dispatch.py) and, with
 --dump-grads, DIR/grads.safetensors: full gradients under Hugging Face names, true vocabulary,
 streamed to rank 0 one mapping rule at a time."""
 
@@ -60,6 +61,9 @@ def run(args) -> int:
     from longstraw_mcore.replay.watch import Watch
 
     watch = Watch(rank0_print if par.rank == 0 else None, cfg.replay.progress_every_s)  # progress only
+    from longstraw_mcore.ops import dispatch
+
+    dispatch.reset_kernels()
     for i, stand_in in _slots(n, par.dp, dp_rank, par.ep):
         if stand_in:  # (expert parallelism: its all-to-alls need this rank; the group's gradient counts 0 times)
             process_group(ddp, groups[i], cfg.replay, cfg.grpo, scale=0.0, ref_model=ref, index=i)
@@ -78,7 +82,7 @@ def run(args) -> int:
     gn = grad_norm(ddp.module, par)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (results, seconds, peak_bytes(par.device), probe.report(),
-                                      peak_since_reset(par.device) - baseline))
+                                      peak_since_reset(par.device) - baseline, dispatch.kernels_run()))
     if par.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     if args.dump_grads and cfg.adapter.enabled:  # the adapters' gradients under PEFT's names
@@ -109,6 +113,7 @@ def run(args) -> int:
             "state_bytes_per_group": [merged[i]["state_bytes"] for i in range(n)],
             "ref_state_bytes_per_group": [merged[i]["ref_state_bytes"] for i in range(n)],
             "seconds": {k: max(g[1].get(k, 0.0) for g in gathered) for k in gathered[0][1]},
+            "kernels": _kernels([g[5] for g in gathered]),
             "model": cfg.model.describe(),
             "memory": _memory_receipt(cfg, groups, par.world_size, [g[4] for g in gathered]),
             "software": _versions(),
@@ -122,6 +127,16 @@ def run(args) -> int:
                     + (" and grads.safetensors" if args.dump_grads else ""))
     dist.barrier()
     return 0
+
+
+def _kernels(per_rank: list[dict]) -> dict:
+    """Every rank's {op: {kernel: calls}} summed."""
+    out: dict = {}
+    for runs in per_rank:
+        for op, per in runs.items():
+            for name, calls in per.items():
+                out.setdefault(op, {})[name] = out.get(op, {}).get(name, 0) + calls
+    return {op: dict(sorted(per.items())) for op, per in sorted(out.items())}
 
 
 def _slots(n: int, dp: int, dp_rank: int, ep: int) -> list[tuple[int, bool]]:
@@ -178,12 +193,15 @@ def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
-    for pkg in ("torch", "megatron-core", "transformers", "longstraw-mcore"):
+    for pkg in ("torch", "megatron-core", "transformers", "triton", "fla-core", "longstraw-mcore"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
             out[pkg] = None
     import torch
 
+    from longstraw_mcore.ops import triton_interpret
+
     out["cuda"] = torch.version.cuda if torch.cuda.is_available() else None
+    out["triton_interpreter"] = triton_interpret.active()
     return out

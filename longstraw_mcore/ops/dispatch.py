@@ -9,10 +9,16 @@ run's choice (`ops.*` in a run config, applied by `configure`):
                 (comparisons must not silently measure the twin). tests/unit/test_flash_adapter.py and
                 test_block_attention.py hold the op to the twin; ops/kernel_choice.py names the kernel
                 for the planner too (its memory terms follow the kernel that runs)
-    gdn         auto: flash-linear-attention (ops/fla_gdn.py) for CUDA bf16 / fp16 where fla is installed
-                (the `gpu` extra), the plain chunked rule otherwise; plain / fla force one
+    gdn         Gated DeltaNet's rule and causal conv. auto: flash-linear-attention's Triton kernels
+                (ops/fla_gdn.py) for CUDA bf16 / fp16 / fp32 values where fla is installed (the `gpu`
+                extra; on Hopper with Triton < 3.7.1 only for key dims > 64), the plain twins
+                (ops/gated_delta.py) otherwise; plain: the twins; fla: fla, and an error naming the
+                reason where it cannot run. On CPU, fla runs only forced and under Triton's
+                interpreter (ops/triton_interpret.py: the tests that hold it to the twins)
 
 `override(attention="plain")` switches for a block (tests, benchmarks comparing kernels).
+`kernels_run()` counts the calls each op made to each kernel in this process since `reset_kernels()`
+(`longstraw validate` puts them in its receipt as `kernels`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,22 @@ from longstraw_mcore.ops import block_attention, fla_gdn, flash_attention, gated
 from longstraw_mcore.ops.kernel_choice import attention_kernel_name
 
 _choice = OpsConfig()
+_runs: dict[str, dict[str, int]] = {}
+
+
+def _record(op: str, kernel: str) -> None:
+    per = _runs.setdefault(op, {})
+    per[kernel] = per.get(kernel, 0) + 1
+
+
+def reset_kernels() -> None:
+    _runs.clear()
+
+
+def kernels_run() -> dict[str, dict[str, int]]:
+    """{op: {kernel: calls}} since the last `reset_kernels()`: attention {flash | plain},
+    gdn_rule and gdn_conv {fla | plain}."""
+    return {op: dict(per) for op, per in sorted(_runs.items())}
 
 
 def configure(ops: OpsConfig) -> None:
@@ -53,17 +75,26 @@ def attention_kernel(q):
     if c == "flash" and not ok:
         raise ValueError(f"ops.attention=flash needs CPU queries, or CUDA bf16/fp16 queries with head dim <= 256, and "
                          f"torch's flash op; got {q.device.type} {q.dtype}, head dim {q.shape[-1]} (use ops.attention=auto)")
+    _record("attention", "flash" if ok else "plain")
     return flash_attention if ok else block_attention
 
 
-def gdn_kernel(v):
-    """The module whose `chunk_gated_delta_rule` runs for values `v`."""
+def _gdn(op: str, x, key_dim: int | None):
     c = _choice.gdn
-    if c == "plain":
-        return gated_delta
-    why = None if fla_gdn.supports(v) else f"values are {v.device.type} {v.dtype}"
-    why = why or fla_gdn.missing()
-    if c == "fla" and why:
-        raise ValueError(f"ops.gdn=fla needs CUDA bf16/fp16 values, flash-linear-attention (the gpu extra) and "
-                         f"triton >= 3.7.1: {why} (use ops.gdn=auto)")
-    return fla_gdn if why is None else gated_delta
+    why = "ops.gdn=plain" if c == "plain" else fla_gdn.missing(x, key_dim)
+    if c == "auto" and why is None and x.device.type != "cuda":
+        why = "auto takes fla on CUDA only"
+    if c == "fla" and why is not None:
+        raise ValueError(f"ops.gdn=fla cannot run here: {why} (use ops.gdn=auto or plain)")
+    _record(op, "plain" if why else "fla")
+    return gated_delta if why else fla_gdn
+
+
+def gdn_kernel(v, key_dim: int):
+    """The module whose `chunk_gated_delta_rule` runs for values `v` and keys of `key_dim`."""
+    return _gdn("gdn_rule", v, key_dim)
+
+
+def conv_kernel(x):
+    """The module whose `causal_conv1d` runs Gated DeltaNet's conv over inputs `x`."""
+    return _gdn("gdn_conv", x, None)

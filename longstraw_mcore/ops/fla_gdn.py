@@ -1,65 +1,133 @@
-"""Gated delta rule on CUDA through flash-linear-attention (`fla.ops.gated_delta_rule`), behind the
-contract of ops/gated_delta.chunk_gated_delta_rule: q, k [B,T,h,K] (h key heads), v [B,T,H,V] with
-H = r*h, g (log decay) / beta [B,T,H], an initial state [B,H,K,V] -> (o [B,T,H,V] in v's dtype, final
-state [B,H,K,V] in the state dtype).
+"""Gated DeltaNet through flash-linear-attention's Triton kernels (fla-core 0.6.0), behind the contracts of
+the plain twins in ops/gated_delta.py:
 
-What the adapter does around the kernel: each q/k head serves r consecutive value heads (repeated here,
-as transformers does before its fla call); the L2 norms of q and k run inside the kernel
-(`use_qk_l2norm_in_kernel`) and q is scaled by K^-0.5 (`scale`), as the plain rule does; g, beta and
-the states go in as float32 (fla keeps its states in float32; exact mode's state gradient reaches
-`initial_state` through fla's backward). The chunk length is the kernel's own (64).
+    chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size, state_dtype)
+        q, k [B,T,h,K] (h key heads), v [B,T,H,V] (H = r h), g (log decay) / beta [B,T,H], an initial state
+        [B,H,K,V] -> (o [B,T,H,V] in v's dtype, final state [B,H,K,V] in `state_dtype`)
+    causal_conv1d(x, weight, conv_state, activation) -> (y [B,T,Ch], state [B,Ch,W-1])
 
-Requires the `gpu` extra (flash-linear-attention with Triton >= 3.7.1: older Triton gives wrong fla
-gradients on Hopper). The CPU test environment keeps fla out; tests/unit/test_fla_adapter.py checks the
-plumbing against the plain rule with a stand-in module of fla's documented signature.
+What the adapter does around fla: value head j reads key head j // r (fla's grouped values, the twin's
+repeated key heads: no copy); the L2 norms of q and k run inside the kernel and q is scaled by K^-0.5, as
+the twin does; g and the states are float32 (fla keeps its state in float32; the initial state's
+gradient comes back from fla's backward, and a gradient reaching the final state enters it as fla's
+`dht`: exact mode's prompt sweep needs both). fla's chunk is 64 tokens whatever the twin's
+`gdn_chunk_size` (the same rule; rounding differs). fla's conv keeps a window of W inputs where the twin
+keeps W - 1: the oldest is padded in with zeros (the kernel never reads it) and dropped from the state
+it returns.
+
+Where it runs (`missing`): CUDA tensors in bf16 / fp16 / fp32, or CPU tensors under Triton's interpreter
+(ops/triton_interpret.py: the CI tests hold every use to the twin there); never float64 (fla has no
+float64 kernels). On Hopper with Triton 3.4-3.7.0, fla refuses its gated backward (fla issue #640: a
+Triton miscompile at key block 64 that corrupts dk, dg and dbeta); fla 0.6.0 runs key block 128 on Hopper
+whenever K > 64 (Qwen3.6's K is 128), outside the miscompile, so for K > 64 the refusal is lifted for
+that call alone (`_hopper_gate`) and K <= 64 is refused here with the reason. The GPU check compares the
+CUDA backward with the twin before any figure counts.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
 
-DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FLA_CHUNK = 64
+GATE_MAX_SAFE_K = 64
+"""fla issue #640 corrupts the gated backward at key block 64; fla 0.6.0 uses block 128 on Hopper for K > 64."""
 
 
-MIN_TRITON = (3, 7, 1)
+def _triton_version() -> tuple[int, ...]:
+    import triton
+
+    return tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:3] if x.isdigit())
 
 
-def missing() -> str | None:
-    """Why fla cannot run here, or None."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if importlib.util.find_spec("fla") is None:
-        return "flash-linear-attention is not installed (the gpu extra)"
-    try:
-        import triton
-    except ImportError:
+def _hopper_gate_applies(device: torch.device) -> bool:
+    """fla's #640 refusal applies: a Hopper GPU (compute capability 9.x) with Triton in [3.4.0, 3.7.1)."""
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9 and (3, 4, 0) <= _triton_version() < (3, 7, 1)
+
+
+def missing(v: torch.Tensor, key_dim: int | None = None) -> str | None:
+    """Why fla cannot run the rule (or the conv, `key_dim` None) on values `v` here, or None."""
+    from longstraw_mcore.ops import triton_interpret
+
+    if v.dtype not in DTYPES:
+        return f"values are {v.dtype} (fla runs bf16 / fp16 / fp32)"
+    if v.device.type == "cpu" and not triton_interpret.active():
+        return "values are on the CPU and Triton is not interpreting (TRITON_INTERPRET=1 runs fla on CPU tensors)"
+    if v.device.type not in ("cpu", "cuda"):
+        return f"values are on {v.device.type}"
+    if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
-    have = tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:3] if x.isdigit())
-    if have < MIN_TRITON:
-        return f"triton {triton.__version__} < 3.7.1 (fla's gradients are wrong on Hopper with older Triton)"
+    if importlib.util.find_spec("fla") is None:
+        return "flash-linear-attention (fla-core) is not installed"
+    if key_dim is not None and key_dim <= GATE_MAX_SAFE_K and _hopper_gate_applies(v.device):
+        import triton
+
+        return (f"key dim {key_dim} <= {GATE_MAX_SAFE_K} on Hopper with triton {triton.__version__}: fla's gated "
+                "backward is miscompiled there (fla issue #640; triton >= 3.7.1 fixes it)")
     return None
 
 
-def available() -> bool:
-    return missing() is None
+@functools.cache
+def _fla():
+    """fla's two entry points, imported once (after the interpreter's bridges where it interprets)."""
+    from longstraw_mcore.ops import triton_interpret
+
+    triton_interpret.install()
+    from fla.modules.causal_conv1d import causal_conv1d as conv
+    from fla.ops.gated_delta_rule import chunk as gdn_chunk
+
+    _hopper_gate(gdn_chunk)
+    return gdn_chunk.chunk_gated_delta_rule, conv
 
 
-def supports(v: torch.Tensor) -> bool:
-    return v.is_cuda and v.dtype in DTYPES
+def _hopper_gate(gdn_chunk) -> None:
+    """Lift fla's #640 refusal in the gated delta rule's backward for calls with K > 64 only (module
+    docstring): fla's rule calls `chunk_bwd_dqkwg` by the name it imported, which is wrapped here."""
+    from fla.ops.common import chunk_o
+
+    inner = gdn_chunk.chunk_bwd_dqkwg
+
+    @functools.wraps(inner)
+    def guarded(*args, **kwargs):
+        k = kwargs["k"] if "k" in kwargs else args[1]
+        if not _hopper_gate_applies(k.device) or chunk_o.TRITON_ABOVE_3_7_1:
+            return inner(*args, **kwargs)
+        if k.shape[-1] <= GATE_MAX_SAFE_K:
+            raise RuntimeError(f"fla's gated backward at key dim {k.shape[-1]} is miscompiled on Hopper with this "
+                               "triton (fla issue #640)")
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            chunk_o.TRITON_ABOVE_3_7_1 = False
+
+    gdn_chunk.chunk_bwd_dqkwg = guarded
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
                            state_dtype=torch.float32):
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
-
-    r = v.shape[2] // q.shape[2]
-    if r > 1:
-        q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
-    q, k = q.to(v.dtype).contiguous(), k.to(v.dtype).contiguous()
+    rule, _ = _fla()
+    dt = v.dtype
     h0 = None if initial_state is None else initial_state.float()
-    o, final = fla_rule(q, k, v.contiguous(), g.float().contiguous(), beta.to(v.dtype).contiguous(),
-                        scale=q.shape[-1] ** -0.5, initial_state=h0, output_final_state=True,
-                        use_qk_l2norm_in_kernel=True)
-    return o.to(v.dtype), final.to(state_dtype)
+    o, final = rule(q.to(dt), k.to(dt), v, g.float(), beta.to(dt), scale=q.shape[-1] ** -0.5, initial_state=h0,
+                    output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=FLA_CHUNK)
+    return o.to(dt), final.to(state_dtype)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None,
+                  activation: str | None = None):
+    """fla's Triton conv behind the twin's contract (ops/gated_delta.causal_conv1d)."""
+    B, T, Ch = x.shape
+    W = weight.shape[-1]
+    if T == 0:  # (an empty sequence-parallel piece; the twin returns the window it was given)
+        state = conv_state if conv_state is not None else x.new_zeros(B, Ch, W - 1)
+        return x.new_zeros(B, 0, Ch), state.to(x.dtype)
+    _, conv = _fla()
+    init = None if conv_state is None else torch.cat([conv_state.new_zeros(B, Ch, 1), conv_state], -1).to(x.dtype)
+    y, final = conv(x, weight.to(x.dtype), initial_state=init, output_final_state=True, activation=activation)
+    return y, final[..., 1:]

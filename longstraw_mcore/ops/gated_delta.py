@@ -197,12 +197,15 @@ def _whole_chunks(q, k, v, g, beta, initial_state, C: int, state_dtype):
     return o.to(out_dtype), S.reshape(B, H, Kd, Vd)
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None):
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None,
+                  activation: str | None = None):
     """Depthwise causal conv over time, continuing from `conv_state`.
 
     x: [B, T, Ch] pre-conv inputs; weight: [Ch, W] (kernel width W); conv_state: [B, Ch, W-1], the
-    last W-1 inputs before x (zeros = start of sequence). Returns (y [B,T,Ch] without activation,
-    new_state [B, Ch, W-1] = the last W-1 inputs of [conv_state, x])."""
+    last W-1 inputs before x (zeros = start of sequence); activation: None or "silu". Returns
+    (y [B,T,Ch], new_state [B, Ch, W-1] = the last W-1 inputs of [conv_state, x])."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation={activation!r}: must be None or 'silu'")
     B, T, Ch = x.shape
     W = weight.shape[-1]
     xt = x.transpose(1, 2)
@@ -213,4 +216,5 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         return x.new_zeros(B, 0, Ch), full
     y = F.conv1d(full, weight.unsqueeze(1).to(xt.dtype), groups=Ch)       # [B, Ch, T]
     new_state = full[..., full.shape[-1] - (W - 1):]
-    return y.transpose(1, 2), new_state
+    y = y.transpose(1, 2)
+    return (F.silu(y) if activation == "silu" else y), new_state

@@ -54,7 +54,7 @@ def piece_maps(q, k, v, g, beta, chunk_size: int = 64, state_dtype=torch.float32
     values = torch.cat([v.new_zeros(Bsz, T, H, K, dtype=state_dtype), v.to(state_dtype)], dim=-1)
     start = torch.zeros(Bsz, H, K, K + V, dtype=state_dtype, device=v.device)
     start[..., :K] = torch.eye(K, dtype=state_dtype, device=v.device)
-    o, S = gdn_kernel(values).chunk_gated_delta_rule(q, k, values, g, beta, start, chunk_size=chunk_size,
+    o, S = gdn_kernel(values, K).chunk_gated_delta_rule(q, k, values, g, beta, start, chunk_size=chunk_size,
                                                      state_dtype=state_dtype)
     return PieceMaps(c=o[..., :K], o0=o[..., K:], M=S[..., :K], B=S[..., K:])
 

@@ -28,8 +28,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from longstraw_mcore.models.mixers.common import full_then_shard, sharded_state_dict_with_tp_params
 from longstraw_mcore.models.norms import GatedRMSNorm
-from longstraw_mcore.ops.dispatch import gdn_kernel
-from longstraw_mcore.ops.gated_delta import causal_conv1d
+from longstraw_mcore.ops.dispatch import conv_kernel, gdn_kernel
 from longstraw_mcore.ops.gdn_pieces import piece_maps
 from longstraw_mcore.prompt_state.hooks import NO_STATE, GDNState
 
@@ -107,8 +106,7 @@ class GatedDeltaNetMixer(MegatronModule):
         piece = window is not None
         if not piece:
             window = state.conv if state is not None else None
-        mixed, conv_state = causal_conv1d(mixed, conv_w, window)
-        mixed = F.silu(mixed)
+        mixed, conv_state = conv_kernel(mixed).causal_conv1d(mixed, conv_w, window, activation="silu")
         q, k, v = torch.split(mixed, [nq, nq, nv], dim=-1)
         q = q.reshape(B, T, h1 - h0, self.dk)
         k = k.reshape(B, T, h1 - h0, self.dk)
@@ -119,9 +117,9 @@ class GatedDeltaNetMixer(MegatronModule):
         g = -A_log.to(sd).exp() * F.softplus(a.to(sd) + dt_bias.to(sd))
         if piece:
             return piece_maps(q, k, v, g, beta, chunk_size=self.chunk_size, state_dtype=sd), None
-        o, rec = gdn_kernel(v).chunk_gated_delta_rule(q, k, v, g, beta,
-                                                      state.recurrent if state is not None else None,
-                                                      chunk_size=self.chunk_size, state_dtype=sd)
+        o, rec = gdn_kernel(v, self.dk).chunk_gated_delta_rule(q, k, v, g, beta,
+                                                               state.recurrent if state is not None else None,
+                                                               chunk_size=self.chunk_size, state_dtype=sd)
         return o, GDNState(conv=conv_state, recurrent=rec)
 
     def _mix(self, hidden_states, ctx):

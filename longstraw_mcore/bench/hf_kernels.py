@@ -1,0 +1,77 @@
+"""Which Gated DeltaNet kernel transformers' Qwen3.5/3.6 model runs, chosen on purpose rather than by
+what happens to be installed.
+
+transformers 5.x binds the rule when `modeling_qwen3_5` is first imported: its
+`use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")` takes flash-linear-
+attention's function whenever `import fla` succeeds, on any device, and its own torch rule otherwise.
+The test environment holds fla (the Triton interpreter tests), so an unguarded import would make the
+numerical reference the very kernel it is meant to check. Hence:
+
+    qwen3_5_modeling(fla=False)   the module, first imported with `fla` unimportable (sys.modules["fla"]
+                                  = None for the duration of that import only): the torch rule
+    qwen3_5_modeling(fla=True)    the module as transformers binds it with fla importable (the GPU
+                                  side-by-side: transformers with its fast path)
+    gdn_path(module)              "fla" or "torch": what the module bound, read back from the binding
+    torch_rule(module)            transformers' own torch rule whatever was bound (the module's
+                                  `torch_chunk_gated_delta_rule` is the wrapper that forwards to the binding)
+
+Both raise if the module was already imported with the other binding (a second import cannot rebind
+it), so a reference can never silently run fla. tests/conftest.py imports the torch binding first
+in every test process; tests/unit/test_hf_kernels.py checks it with fla installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+
+_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
+
+
+def _bindings(module) -> tuple:
+    """(what `torch_chunk_gated_delta_rule` forwards to, transformers' own torch rule)."""
+    fn = module.torch_chunk_gated_delta_rule
+    try:
+        found = inspect.getclosurevars(fn).nonlocals
+        return found["implementation"], found["torch_function"]
+    except (KeyError, TypeError) as e:
+        raise RuntimeError(f"cannot tell which Gated DeltaNet rule {_MODULE} bound ({fn!r}): transformers' kernel "
+                           "fallback has changed; update longstraw_mcore/bench/hf_kernels.py") from e
+
+
+def torch_rule(module):
+    """transformers' own torch chunked rule, whatever `module` bound (the kernel comparison of the bench)."""
+    return _bindings(module)[1]
+
+
+def gdn_path(module) -> str:
+    """"fla" or "torch": the chunked rule `module` (modeling_qwen3_5) bound at its import. (The module's
+    `torch_chunk_gated_delta_rule` is the wrapper that forwards to what was bound, despite its name.)"""
+    bound, own = _bindings(module)
+    if bound is own:
+        return "torch"
+    if (getattr(bound, "__module__", "") or "").startswith("fla."):
+        return "fla"
+    raise RuntimeError(f"{_MODULE} bound an unknown Gated DeltaNet rule: {bound!r}")
+
+
+def qwen3_5_modeling(fla: bool):
+    """transformers' modeling_qwen3_5 with the requested rule bound (module docstring)."""
+    if _MODULE not in sys.modules and not fla:
+        saved = sys.modules.get("fla", ...)
+        sys.modules["fla"] = None  # `import fla` raises ModuleNotFoundError inside transformers' fallback
+        try:
+            module = importlib.import_module(_MODULE)
+        finally:
+            if saved is ...:
+                del sys.modules["fla"]
+            else:
+                sys.modules["fla"] = saved
+    else:
+        module = importlib.import_module(_MODULE)
+    got, want = gdn_path(module), "fla" if fla else "torch"
+    if got != want:
+        raise RuntimeError(f"{_MODULE} was imported earlier with the {got} Gated DeltaNet rule; this process needs "
+                           f"the {want} rule (import it through longstraw_mcore.bench.hf_kernels first)")
+    return module
