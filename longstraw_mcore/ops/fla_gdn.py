@@ -15,9 +15,9 @@ gradient comes back from fla's backward, and a gradient reaching the final state
 keeps W - 1: the oldest is padded in with zeros (the kernel never reads it) and dropped from the state
 it returns.
 
-Where it runs (`missing`): CUDA tensors in bf16 / fp16 / fp32, or CPU tensors under Triton's interpreter
-(ops/triton_interpret.py: the CI tests hold every use to the twin there); never float64 (fla has no
-float64 kernels). On Hopper with Triton 3.4-3.7.0, fla refuses its gated backward (fla issue #640: a
+Where it runs (`missing`): CUDA tensors in bf16 / fp16 / fp32, or fp16 / fp32 CPU tensors under Triton's
+interpreter (ops/triton_interpret.py: the CI tests hold every use to the twin there); never float64 (fla
+has no float64 kernels). On Hopper with Triton 3.4-3.7.0, fla refuses its gated backward (fla issue #640: a
 Triton miscompile at key block 64 that corrupts dk, dg and dbeta); fla 0.6.0 runs key block 128 on Hopper
 whenever K > 64 (Qwen3.6's K is 128), outside the miscompile, so for K > 64 the refusal is lifted for
 that call alone (`_hopper_gate`) and K <= 64 is refused here with the reason. The GPU check compares the
@@ -58,6 +58,8 @@ def missing(v: torch.Tensor, key_dim: int | None = None) -> str | None:
         return f"values are {v.dtype} (fla runs bf16 / fp16 / fp32)"
     if v.device.type == "cpu" and not triton_interpret.active():
         return "values are on the CPU and Triton is not interpreting (TRITON_INTERPRET=1 runs fla on CPU tensors)"
+    if v.device.type == "cpu" and v.dtype == torch.bfloat16:
+        return "bf16 values on the CPU (Triton's interpreter does not emulate bf16 arithmetic: ops/triton_interpret.py)"
     if v.device.type not in ("cpu", "cuda"):
         return f"values are on {v.device.type}"
     if importlib.util.find_spec("triton") is None:

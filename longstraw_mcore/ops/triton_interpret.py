@@ -16,11 +16,16 @@ where the interpreter of Triton 3.8 behaves unlike compiled Triton. Nothing in t
    kernel's source also turns those loops into a range yielding int32 Triton scalars
    (`tl.static_range`, unrolled at compile time, keeps yielding ints as compiled Triton does).
 
+Not bridged: bfloat16. The interpreter holds bf16 values as their uint16 bit patterns, and its `tl.dot`
+and arithmetic on them operate on those integers (fla's rule on bf16 inputs came out 4e9 off; widening
+the dot's operands alone still left NaNs); fp16 and fp32 are right. So the CPU tests run float32, and
+bf16 is compared with the twins on the device (tests/gpu/test_fla_gdn.py).
+
 The interpreter runs every program of the grid in turn with numpy: about a second per Gated DeltaNet
 forward at T = 80, K = V = 32. Its numbers are the kernel's algorithm in float32 (or the inputs' dtype);
 it does not reproduce GPU-specific miscompiles (fla issue #640), which only a device run can catch.
 
-`active()`: whether Triton runs interpreted in this process. `install()`: apply both bridges
+`active()`: whether Triton runs interpreted in this process. `install()`: apply the bridges
 (idempotent; nothing happens unless active).
 """
 
@@ -53,7 +58,7 @@ def _scalar_range(*bounds):
 
 
 def install() -> None:
-    """Bridge the interpreter's two gaps (module docstring) for this process; a no-op unless active."""
+    """Bridge the interpreter's gaps (module docstring) for this process; a no-op unless active."""
     global _installed
     if _installed or not active():
         return
@@ -87,4 +92,5 @@ def install() -> None:
         return compile_and_exec(self, transformed_ast)
 
     interpreter.FunctionRewriter._compile_and_exec = with_range
+
     _installed = True
