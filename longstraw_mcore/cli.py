@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--host-gib", type=float, default=None,
                     help="host memory per node, GiB (default 2048: an 8-GPU H20 server's DDR)")
     pl.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node for the host total (default 8)")
-    pl.add_argument("--efficiency", type=float, default=0.05,
-                    help="fraction of the bf16 peak for the time estimate (plain kernels measured 3-7%% on H200)")
+    pl.add_argument("--efficiency", type=float, default=None,
+                    help="one fraction of the bf16 peak for every phase of the time estimate (default: each "
+                    "phase's figure from the device table, planner/efficiency.py: measured on H200, derived elsewhere)")
     pl.add_argument("--suggest", action="store_true",
                     help="search layouts and memory switches for the fastest plan that fits; print its overrides")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")

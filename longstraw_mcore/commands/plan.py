@@ -1,6 +1,8 @@
 """`longstraw plan`: per-rank device memory by component, host memory per rank and per node, and FLOPs /
 time by phase for a config, layout, P, R, G, mode and device; whether it fits and the largest P that
-does (planner/memory.py, planner/timing.py). With --suggest, the fastest layout and memory switches that
+does (planner/memory.py, planner/timing.py); each phase's time at its efficiency from the device table
+(planner/efficiency.py: measured on H200, derived elsewhere, each figure printed with its source), or
+at one `--efficiency F` for every phase. With --suggest, the fastest layout and memory switches that
 fit (planner/suggest.py) and the overrides that run it. No process group, no Megatron, no allocation.
 
   longstraw plan --config CFG --prompt-len P --group-size G --response-len R --gpus N
@@ -23,22 +25,24 @@ from longstraw_mcore.families import get_family
 GIB = 2**30
 
 
-def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float | None, efficiency: float,
-         host_gib: float | None = None, gpus_per_node: int | None = None, tree=None) -> dict:
+def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float | None,
+         efficiency: float | None, host_gib: float | None = None, gpus_per_node: int | None = None,
+         tree=None) -> dict:
     """The plan as the `--json` schema (ARCHITECTURE.md section 5) plus the host side, the inputs and
-    time per phase (`host_gib`: host memory per node, default planner/memory.HOST_GIB; `tree`: the group
-    as a full prefix tree (widths, lengths), planner/tree.py: its FLOPs and time count every shared
-    segment once, and the live path's segment states join the device memory; the largest prompt is
-    the flat group's)."""
-    from longstraw_mcore.planner.memory import (GPUS_PER_NODE, HOST_GIB, device_profile, max_prompt_len, node_ranks,
-                                                phase_bytes, plan_both)
+    time per phase (`efficiency`: None for the device table's per-phase figures, or one fraction of the
+    bf16 peak for every phase; `host_gib`: host memory per node, default planner/memory.HOST_GIB;
+    `tree`: the group as a full prefix tree (widths, lengths), planner/tree.py: its FLOPs and time count
+    every shared segment once, and the live path's segment states join the device memory; the largest
+    prompt is the flat group's)."""
+    from longstraw_mcore.planner.devices import device_profile
+    from longstraw_mcore.planner.efficiency import run_kernels
+    from longstraw_mcore.planner.memory import (GPUS_PER_NODE, HOST_GIB, max_prompt_len, node_ranks, phase_bytes,
+                                                plan_both)
     from longstraw_mcore.planner.timing import plan_time
     from longstraw_mcore.parallel.cp import gdn_path
 
     if not isinstance(gpus, int) or gpus < 1:
         raise ConfigError(f"--gpus {gpus!r}: must be a positive integer")
-    if not 0 < efficiency <= 1:
-        raise ConfigError(f"--efficiency {efficiency}: must be in (0, 1] (the fraction of the bf16 peak reached)")
     host_gib = HOST_GIB if host_gib is None else host_gib
     if not host_gib > 0:
         raise ConfigError(f"--host-gib {host_gib}: must be > 0 (host memory per node, GiB)")
@@ -72,6 +76,7 @@ def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float 
                       "layout": {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "dp": p.dp_for(gpus),
                                  **({"gdn": gdn} if (gdn := gdn_path(cfg.model, p.tp, p.cp)) else {})},
                       "mode": cfg.replay.mode, "device": dev.name, "efficiency": efficiency,
+                      "kernels": run_kernels(cfg),
                       "memory": {"recompute": mem.recompute, "state_offload": mem.state_offload,
                                  "state_dtype": mem.state_dtype, "optimizer_offload": mem.optimizer_offload,
                                  "grad_offload": mem.grad_offload, "mla_query_block": mem.mla_query_block},
@@ -80,11 +85,12 @@ def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float 
         out["inputs"]["tree"] = {"widths": list(tree[0]), "lengths": list(tree[1]), "response_tokens": G * R,
                                  "replayed_tokens": sum(p[0] for p in pieces)}
     out["fits"] = out["fits_device"] and out["fits_host"]
-    # time: a model (planner/timing.py): FLOPs at `efficiency` of the bf16 peak, transfers and the CPU
-    # optimizer at constant rates, no communication
-    out.update(plan_time(family, cfg, P, R, G, gpus, dev.bf16_flops, efficiency, host, pieces))
-    out["time_model"] = ("an estimate, not a measurement: FLOPs at the given fraction of the bf16 peak, PCIe and CPU "
-                         "Adam at constant rates, nothing overlapped, no communication (planner/timing.py)")
+    # time: a model (planner/timing.py): each phase's FLOPs at its efficiency (planner/efficiency.py, or
+    # --efficiency for all), transfers and the CPU optimizer at constant rates, no communication
+    out.update(plan_time(family, cfg, P, R, G, gpus, dev, efficiency, host, pieces))
+    out["time_model"] = ("an estimate, not a measurement: each phase's FLOPs at its efficiency (a fraction of the bf16 "
+                         "peak: \"efficiency\", measured or derived, planner/efficiency.py), PCIe and CPU Adam at "
+                         "constant rates, nothing overlapped, no communication (planner/timing.py)")
     return out
 
 
@@ -112,11 +118,17 @@ def table(res: dict) -> str:
     verdict = "yes" if res["fits"] else "NO (" + ", ".join(
         w for w, ok in (("device", res["fits_device"]), ("host", res["fits_host"])) if not ok) + ")"
     lines.append(f"fits: {verdict}; largest prompt that fits: {res['max_prompt_len']:,} tokens")
-    lines.append("| term | TFLOP per rank | seconds (efficiency {:.0%} of the bf16 peak) |".format(i["efficiency"]))
-    lines.append("|---|---|---|")
+    lines.append("| term | TFLOP per rank | efficiency (of the bf16 peak) | seconds |")
+    lines.append("|---|---|---|---|")
     for term, s in res["seconds"].items():
-        f = res["flops"].get(term)
-        lines.append(f"| {term} | {'' if f is None else f'{f / 1e12:,.1f}'} | {s:,.1f} |")
+        f, e = res["flops"].get(term), res["efficiency"].get(term)
+        eff = "" if e is None else f"{e['value']:.2%} {e['source']}: {e['from']}"
+        lines.append(f"| {term} | {'' if f is None else f'{f / 1e12:,.1f}'} | {eff} | {s:,.1f} |")
+    k = i["kernels"]
+    if res["efficiency_measured_on"]:
+        lines.append(f"efficiency figures from {res['efficiency_measured_on']} (planner/efficiency.py)")
+    lines += [f"efficiency: kernels gdn={k['gdn']} attention={k['attention']} on CUDA; {n}"
+              for n in res["efficiency_notes"]]
     lines.append(f"seconds per prompt group (total / dp {i['layout']['dp']}): {res['seconds_per_group']:,.1f} "
                  "(a model: planner/timing.py)")
     return "\n".join(lines)
@@ -127,7 +139,8 @@ def _suggest(args, cfg) -> tuple[dict, int]:
     import sys
 
     from longstraw_mcore.config import config_to_dict
-    from longstraw_mcore.planner.memory import GPUS_PER_NODE, HOST_GIB, device_profile
+    from longstraw_mcore.planner.devices import device_profile
+    from longstraw_mcore.planner.memory import GPUS_PER_NODE, HOST_GIB
     from longstraw_mcore.planner.suggest import describe, miss_line, suggest
 
     if args.prompt_len < 1 or args.response_len < 1 or args.group_size < 1 or args.gpus < 1:

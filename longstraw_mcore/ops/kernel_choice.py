@@ -1,5 +1,6 @@
-"""Which attention kernel `ops.attention` runs, from names alone (no torch import: the planner asks it
-for a run's config, ops/dispatch.py for the tensors it is handed)."""
+"""Which attention kernel `ops.attention` runs, and which Gated DeltaNet rule `ops.gdn` would take, from
+names alone (no torch import: the planner asks them for a run's config, ops/dispatch.py the first for
+the tensors it is handed)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,12 @@ def attention_kernel_name(choice: str, device: str, dtype: str, head_dim: int, v
     else:
         ok = False
     return ("flash_cpu" if planner and device == "cpu" else "flash") if ok else "plain"
+
+
+def gdn_kernel_name(choice: str, device: str, dtype: str) -> str:
+    """"fla" or "plain": the Gated DeltaNet rule `choice` (auto / plain / fla) takes on `device` in
+    `dtype`, as ops/dispatch.gdn_kernel would where flash-linear-attention is installed (the `gpu` extra;
+    the dispatch checks that, and fla's own limits, on the tensors): auto takes fla for CUDA bf16 / fp16."""
+    if choice == "plain":
+        return "plain"
+    return "fla" if choice == "fla" or (device == "cuda" and dtype in CUDA_DTYPES) else "plain"

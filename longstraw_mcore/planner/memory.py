@@ -61,7 +61,6 @@ largest; not counted: the process itself, the CUDA context, data loading, checkp
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from longstraw_mcore.config import ConfigError
 from longstraw_mcore.planner.activations import _elem
@@ -74,33 +73,6 @@ HOST_GIB = 2048
 LongStraw's nodes)."""
 GPUS_PER_NODE = 8
 """Default ranks per node (`--gpus-per-node`)."""
-
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    name: str
-    memory_bytes: int
-    bf16_flops: float
-    """Dense bf16 peak, FLOP/s."""
-
-
-DEVICE_PROFILES = {
-    "H20-96GB": DeviceProfile("H20-96GB", 96 * 10**9, 148e12),
-    "H20-141GB": DeviceProfile("H20-141GB", 141 * 10**9, 148e12),
-    "H100-80GB": DeviceProfile("H100-80GB", 80 * 10**9, 989e12),
-    "H200-141GB": DeviceProfile("H200-141GB", 141 * 10**9, 989e12),
-}
-
-
-def device_profile(name: str, memory_gib: float | None = None) -> DeviceProfile:
-    if name not in DEVICE_PROFILES:
-        raise ConfigError(f"--device {name!r}: not a known device profile; known: {sorted(DEVICE_PROFILES)}")
-    d = DEVICE_PROFILES[name]
-    if memory_gib is not None:
-        if not memory_gib > 0:
-            raise ConfigError(f"--device-gib {memory_gib}: must be > 0")
-        d = DeviceProfile(d.name, int(memory_gib * 2**30), d.bf16_flops)
-    return d
 
 
 def node_ranks(world_size: int, gpus_per_node: int) -> int:

@@ -150,9 +150,9 @@ def has_mla(family, m) -> bool:
     return any("mla_latent" in family.layers[t].state.analytic_bytes(m, 1, 1, 0, 1, 1) for t in set(m.layer_types))
 
 
-def _time(family, cfg, P, R, G, gpus, flops_per_s, efficiency, host=None) -> float:
+def _time(family, cfg, P, R, G, gpus, dev, efficiency, host=None) -> float:
     zero = {"optimizer": 0, "optimizer_grads": 0, "prompt_state": 0, "prompt_state_grad": 0, "gradients": 0}
-    return plan_time(family, cfg, P, R, G, gpus, flops_per_s, efficiency, host or zero)["seconds_per_group"]
+    return plan_time(family, cfg, P, R, G, gpus, dev, efficiency, host or zero)["seconds_per_group"]
 
 
 def _measure(c: Candidate, family, P, R, G, gpus, dev, efficiency, host_limit: int, per_node: int) -> Candidate:
@@ -160,7 +160,7 @@ def _measure(c: Candidate, family, P, R, G, gpus, dev, efficiency, host_limit: i
     device, host = plan_both(family, c.cfg, P, R, G, gpus, cuda=True)
     c.device_bytes = sum(device.values())
     c.host_node_bytes = sum(host.values()) * per_node
-    c.seconds_per_group = _time(family, c.cfg, P, R, G, gpus, dev.bf16_flops, efficiency, host)
+    c.seconds_per_group = _time(family, c.cfg, P, R, G, gpus, dev, efficiency, host)
     over_d, over_h = c.device_bytes - dev.memory_bytes, c.host_node_bytes - host_limit
     c.misses = {k: v for k, v in (("device", over_d), ("host_per_node", over_h)) if v > 0}
     if over_h > 0:
@@ -221,11 +221,12 @@ class _Search:
                 self._take(c)
 
 
-def suggest(family, base: dict, P: int, R: int, G: int, gpus: int, dev, efficiency: float,
+def suggest(family, base: dict, P: int, R: int, G: int, gpus: int, dev, efficiency: float | None,
             host_limit: int, gpus_per_node: int) -> dict:
     """The search (module docstring). `base`: the user's config as a dict (config_to_dict); `dev`: a
-    DeviceProfile; `host_limit`: host bytes per node. Returns {"best": Candidate, "fits": bool,
-    "searched": plans measured, "layouts": n, "seconds": wall time}."""
+    DeviceProfile; `efficiency`: None for the device table's per-phase figures (planner/efficiency.py),
+    or one fraction for every phase; `host_limit`: host bytes per node. Returns {"best": Candidate,
+    "fits": bool, "searched": plans measured, "layouts": n, "seconds": wall time}."""
     t0 = time.perf_counter()
     first = load_config(None, [], base=base)
     per_node = node_ranks(gpus, gpus_per_node)
@@ -233,7 +234,7 @@ def suggest(family, base: dict, P: int, R: int, G: int, gpus: int, dev, efficien
     if not outlines:
         raise ConfigError(f"--suggest: no layout of {gpus} ranks passes the config's checks (tp in 1..8, cp and "
                           "pp as the module planner/suggest.py says); check --gpus")
-    bounds = sorted(((_time(family, cfg, P, R, G, gpus, dev.bf16_flops, efficiency), i, ov)
+    bounds = sorted(((_time(family, cfg, P, R, G, gpus, dev, efficiency), i, ov)
                      for i, (ov, cfg) in enumerate(outlines)), key=lambda x: (x[0], x[1]))
     off = [f"{k}={v}" for k, v in OFF.items()]
     sets = switch_sets(has_mla(family, first.model))
@@ -247,7 +248,7 @@ def suggest(family, base: dict, P: int, R: int, G: int, gpus: int, dev, efficien
             if cfg is None:
                 continue
             c = Candidate(ov + [f"{k}={v}" for k, v in sw.items()], cfg, 0.0, sum(sw[k] != OFF[k] for k in sw))
-            c.seconds_per_group = _time(family, cfg, P, R, G, gpus, dev.bf16_flops, efficiency)  # a lower bound
+            c.seconds_per_group = _time(family, cfg, P, R, G, gpus, dev, efficiency)  # a lower bound
             search.offer(c)
     chosen = search.finish()
     return {"best": chosen or search.closest, "fits": chosen is not None, "searched": search.searched,

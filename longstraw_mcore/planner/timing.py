@@ -1,22 +1,27 @@
 """The time model of `longstraw plan`: seconds per rank of one group step (each data-parallel rank runs
 its own prompt group), from the FLOP model (planner/flops.py) and the memory plan's host bytes
-(planner/memory.py). It is a model, not a measurement: compute at a fixed fraction of the bf16 peak
-(`--efficiency`), host-device copies and the CPU optimizer at the constant rates below, nothing
-overlapped (an upper bound where the runtime overlaps), no communication.
+(planner/memory.py). It is a model, not a measurement: each phase's compute at its efficiency, a
+fraction of the device's dense bf16 peak from the device table (planner/efficiency.py: measured on one
+H200 with the plain Gated DeltaNet rule and flash attention, derived for the H20 and H100 by peak and
+HBM bandwidth; `--efficiency F` overrides it with one fraction for every phase), host-device copies and
+the CPU optimizer at the constant rates below, nothing overlapped (an upper bound where the runtime
+overlaps), no communication.
 
 Per rank, with F a phase's FLOPs on one TP rank (step_flops' algorithm count; the capture's and the
 sweep's summed over the cp ranks, so Gated DeltaNet by sequence pieces counts its wider rule and
-every rank's scan: planner/flops_hybrid.py), peak = the device's bf16
-FLOP/s x efficiency, n the capture chunks, passes = G replayed branches (1 with replay.batch_branches),
+every rank's scan: planner/flops_hybrid.py), peak_x = the device's bf16 FLOP/s x phase x's
+efficiency, n the capture chunks, passes = G replayed branches (1 with replay.batch_branches),
 P_local = ceil((P - 1) / cp) + 1:
 
-    capture          F_capture(P) / (pp cp) / peak x bubble(n)
-    replay           F_replay(P_local) / pp / peak x bubble(passes): every CP rank replays the branches
-                     whole against its shard of the prompt (partial attention merged by log-sum-exp)
-    prompt_backward  exact mode: F_sweep(P) / (pp cp) / peak x bubble(n)
+    capture          F_capture(P) / (pp cp) / peak_capture x bubble(n)
+    replay           F_replay(P_local) / pp / peak_replay x bubble(passes): every CP rank replays the
+                     branches whole against its shard of the prompt (partial attention merged by
+                     log-sum-exp)
+    prompt_backward  exact mode: F_sweep(P) / (pp cp) / peak_prompt_backward x bubble(n)
     recompute        memory.recompute=layer: the branches' layers run forward again in the backward,
                      F_forward(P_local) / pp x bubble(passes) (forward_flops), and in exact mode every
-                     chunk's too, F_capture(P) / (pp cp) x bubble(n) (its forward), all / peak
+                     chunk's too, F_capture(P) / (pp cp) x bubble(n) (its forward), all / peak_recompute
+                     (the table gives recompute the capture's figure: forward work)
     state_transfer   memory.state_offload: bytes over PCIe / PCIE_BYTES_PER_S, with S this rank's
                      host-resident state (as stored: model dtype or fp8) and Sg its host-resident
                      state gradient (exact mode):
@@ -43,6 +48,7 @@ and host-memory bandwidth shared by a node's ranks beyond the per-rank constants
 from __future__ import annotations
 
 from longstraw_mcore.planner.activations import _elem
+from longstraw_mcore.planner.efficiency import for_run
 from longstraw_mcore.planner.memo import kept
 
 PCIE_BYTES_PER_S = 25e9
@@ -123,23 +129,28 @@ def optimizer_offload_seconds(cfg, host: dict) -> float:
     return (Gh + params) / PCIE_BYTES_PER_S + (O + Gh) / CPU_ADAM_BYTES_PER_S
 
 
-def plan_time(family, cfg, P: int, R: int, G: int, world_size: int, flops_per_s: float, efficiency: float,
+def plan_time(family, cfg, P: int, R: int, G: int, world_size: int, dev, efficiency: float | None,
               host: dict, pieces=None) -> dict:
-    """{"flops": {phase: per rank}, "seconds": {term: s, ..., "total": s}, "seconds_per_group": s} of
-    one group step (`flops_per_s`: the device's bf16 peak; `host`: plan_host's components; `pieces`:
-    a prefix tree's, planner/tree.py)."""
+    """{"flops": {phase: per rank}, "seconds": {term: s, ..., "total": s}, "seconds_per_group": s,
+    "efficiency": {phase: its Figure as JSON}, "efficiency_measured_on": s, "efficiency_notes": [...]}
+    of one group step (`dev`: a DeviceProfile; `efficiency`: None for the device table's per-phase
+    figures, or one fraction for every phase; `host`: plan_host's components; `pieces`: a prefix
+    tree's, planner/tree.py)."""
     p = cfg.parallel
-    peak = flops_per_s * efficiency
+    eff = for_run(cfg, dev.name, efficiency)
+    used = eff.phases()
     n = -(-(P - 1) // cfg.replay.chunk_len)
     passes = 1 if cfg.replay.batch_branches else (G if pieces is None else len(pieces))
     flops = phase_flops(family, cfg, P, R, G, pieces)
-    seconds = {"capture": flops["capture"] / peak * bubble(n, p.pp),
-               "replay": flops["replay"] / peak * bubble(passes, p.pp)}
+    peak = {k: dev.bf16_flops * used[k].value for k in flops}
+    seconds = {"capture": flops["capture"] / peak["capture"] * bubble(n, p.pp),
+               "replay": flops["replay"] / peak["replay"] * bubble(passes, p.pp)}
     if "prompt_backward" in flops:
-        seconds["prompt_backward"] = flops["prompt_backward"] / peak * bubble(n, p.pp)
+        seconds["prompt_backward"] = flops["prompt_backward"] / peak["prompt_backward"] * bubble(n, p.pp)
     if "recompute" in flops:
         sweep = flops["capture"] if "prompt_backward" in flops else 0.0
-        seconds["recompute"] = ((flops["recompute"] - sweep) * bubble(passes, p.pp) + sweep * bubble(n, p.pp)) / peak
+        seconds["recompute"] = (((flops["recompute"] - sweep) * bubble(passes, p.pp) + sweep * bubble(n, p.pp))
+                                / peak["recompute"])
     moved = transfer_bytes(cfg, P, G, host)
     if moved:
         seconds["state_transfer"] = sum(moved.values()) / PCIE_BYTES_PER_S
@@ -149,4 +160,5 @@ def plan_time(family, cfg, P: int, R: int, G: int, world_size: int, flops_per_s:
         seconds["optimizer_offload"] = optimizer_offload_seconds(cfg, host)
     seconds["total"] = sum(seconds.values())
     return {"flops": flops, "seconds": seconds, "seconds_per_group": seconds["total"] / p.dp_for(world_size),
-            "transfer_bytes": moved}
+            "transfer_bytes": moved, "efficiency": {k: used[k].as_json() for k in flops},
+            "efficiency_measured_on": eff.measured_on, "efficiency_notes": list(eff.notes)}

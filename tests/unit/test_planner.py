@@ -110,7 +110,7 @@ def test_plan_cli_json_and_bad_input():
 
 @pytest.mark.parametrize("name", ["H20-96GB", "H20-141GB", "H100-80GB", "H200-141GB"])
 def test_device_profiles(name):
-    from longstraw_mcore.planner.memory import device_profile
+    from longstraw_mcore.planner.devices import device_profile
 
     d = device_profile(name)
     assert d.memory_bytes > 60 * 10**9 and d.bf16_flops > 1e14

@@ -164,6 +164,7 @@ def test_grad_offload_leaves_one_bucket_on_the_device():
     shards' copy an optimizer on the device updates from; the time model adds 2 x n x e over PCIe per
     micro-step (G branches, + the chunks in exact mode)."""
     from longstraw_mcore.families import get_family
+    from longstraw_mcore.planner.devices import device_profile
     from longstraw_mcore.planner.memory import stage_weights
     from longstraw_mcore.planner.timing import PCIE_BYTES_PER_S, plan_time
 
@@ -171,6 +172,7 @@ def test_grad_offload_leaves_one_bucket_on_the_device():
     cfg = _cfg(Q27, *layout, "memory.grad_offload=true", "memory.optimizer_offload=true")
     m = cfg.model
     n = stage_weights(get_family("qwen3_5"), cfg, [64], 0)[1]
+    H20 = device_profile("H20-96GB")
     device, host = _both(cfg, 65_536, 1024, 8, 8)
     resident, resident_host = _both(_cfg(Q27, *layout, "memory.optimizer_offload=true"), 65_536, 1024, 8, 8)
     assert host["gradients"] == n * 2 and host["gradient_shards"] == -(-n * 4 // 2)  # bf16 gradient, f32 shards
@@ -186,7 +188,7 @@ def test_grad_offload_leaves_one_bucket_on_the_device():
     for mode, micro in (("detached", 8), ("exact", 8 + -(-(65_536 - 1) // cfg.replay.chunk_len))):
         c = _cfg(Q27, *layout, "memory.grad_offload=true", "memory.optimizer_offload=true", f"replay.mode={mode}")
         h = _both(c, 65_536, 1024, 8, 8)[1]
-        t = plan_time(get_family("qwen3_5"), c, 65_536, 1024, 8, 8, 148e12, 0.05, h)["seconds"]
+        t = plan_time(get_family("qwen3_5"), c, 65_536, 1024, 8, 8, H20, 0.05, h)["seconds"]
         assert math.isclose(t["grad_transfer"], 2 * n * 2 * micro / PCIE_BYTES_PER_S), (mode, t)
 
 
@@ -204,13 +206,15 @@ def test_mla_query_block_caps_the_per_query_topk_terms():
 def test_time_model_terms():
     from longstraw_mcore.families import get_family
     from longstraw_mcore.planner.flops import forward_flops, step_flops
+    from longstraw_mcore.planner.devices import device_profile
     from longstraw_mcore.planner.timing import CPU_ADAM_BYTES_PER_S, PCIE_BYTES_PER_S, plan_time
 
     fam = get_family("qwen3_5")
-    Pt, R, G, peak = 65_536, 1024, 4, 148e12 * 0.05
+    H20 = device_profile("H20-96GB")
+    Pt, R, G, peak = 65_536, 1024, 4, H20.bf16_flops * 0.05  # --efficiency 0.05: one figure for every phase
     cfg = _qwen("memory.state_offload=true", "memory.optimizer_offload=true", "train.grad_reduction=micro_step")
     device, host = _both(cfg, Pt, R, G, 8)
-    t = plan_time(fam, cfg, Pt, R, G, 8, 148e12, 0.05, host)
+    t = plan_time(fam, cfg, Pt, R, G, 8, H20, 0.05, host)
     local = -(-(Pt - 1) // 2) + 1
     n, S = -(-(Pt - 1) // cfg.replay.chunk_len), host["prompt_state"]
     assert S > 0 and t["flops"]["recompute"] == forward_flops(fam.layers, cfg.model, local, [R] * G, 4)
@@ -222,7 +226,7 @@ def test_time_model_terms():
     assert math.isclose(t["seconds"]["total"], sum(v for k, v in t["seconds"].items() if k != "total"))
     # no switch, one rank of context: the phases are step_flops' own, and nothing is added
     plain = _cfg(Q27, "parallel.tp=4")
-    t0 = plan_time(fam, plain, Pt, R, G, 4, 148e12, 0.05, _both(plain, Pt, R, G, 4)[1])
+    t0 = plan_time(fam, plain, Pt, R, G, 4, H20, 0.05, _both(plain, Pt, R, G, 4)[1])
     ref = step_flops(fam.layers, plain.model, Pt, [R] * G, "detached", plain.replay.chunk_len, 4)["algorithm"]
     assert t0["flops"] == {"capture": ref["capture"], "replay": ref["replay"]}
     assert set(t0["seconds"]) == {"capture", "replay", "total"}
@@ -270,13 +274,13 @@ def test_published_configs_fit_with_the_suggested_layout_and_switches():
 
     from longstraw_mcore.config import config_to_dict
     from longstraw_mcore.families import get_family
-    from longstraw_mcore.planner.memory import device_profile
+    from longstraw_mcore.planner.devices import device_profile
     from longstraw_mcore.planner.suggest import suggest
 
     for name, Pp, R, G, gpus, dev in PUBLISHED:
         cfg = _cfg(f"configs/published/{name}.yaml")
-        found = suggest(get_family(cfg.model.family), config_to_dict(cfg), Pp, R, G, gpus, device_profile(dev), 0.05,
-                        2048 * GIB, 8)
+        found = suggest(get_family(cfg.model.family), config_to_dict(cfg), Pp, R, G, gpus, device_profile(dev), None,
+                        2048 * GIB, 8)  # the device table's figures (planner/efficiency.py), as `plan` runs it
         best = found["best"]
         assert found["fits"] and not best.misses, (name, best.misses)
         assert best.device_bytes <= device_profile(dev).memory_bytes and best.host_node_bytes <= 2048 * GIB
