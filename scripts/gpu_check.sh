@@ -1,34 +1,45 @@
 #!/usr/bin/env bash
-# The GPU check: one command, one CUDA GPU, under 8 minutes. Each step logs to OUT/<step>.log and
-# leaves JSON where it measures something; OUT/summary.txt lists every step with ok/FAILED and seconds.
-#   1 smoke       `longstraw smoke`, tiny model, bf16 (count_parameters / grad_norm on NCCL)
-#   2 train       `longstraw train`, tiny, bf16, exact mode, 3 steps with a checkpoint -> train_metrics.jsonl
-#   2b offload    `longstraw train` with memory.optimizer_offload (Megatron's HybridDeviceOptimizer), layer
-#                 recompute and the prompt state in host memory; micro_step with memory.grad_offload (pinned
-#                 gradient staging); tools/plan_vs_measured.py --points cuda:
-#                 the memory-switch points, device and host bytes planned against measured
-#   3 validate    `longstraw validate`, tiny, float64, exact, the same HF weights on CUDA and on CPU;
-#                 tools/compare_validate.py -> validate_compare.json (loss, log-probs, grads normwise <= 1e-10;
-#                 each tensor against its own max <= 1e-6: near-cancelling A_log sums, see the tool)
-#   4 tests       the unit tests that apply on CUDA (tests/gpu, cpu_compat's cuda case, the attention ops)
-#   5 bench       tools/bench_replay.py at Qwen3.6-27B width, 4 layers, bf16: P=128K detached and
-#                 P=32K exact (R=1K, G=2) -> bench_*.json (tokens/s per phase, peak memory, TFLOP/s
-#                 and the fraction of the H200's dense bf16 peak, 989 TFLOP/s); P=128K detached again
-#                 with recompute, the state in host memory as fp8 (bench_128k_offload.json); the side-by-side
-#                 with transformers (its SDPA and, where installed, fla as its fast paths), bf16, P=16K/64K
-#                 -> vs_transformers.json
+# The GPU check: one prepared run on one CUDA GPU, at most 9 minutes (every step has its own time limit,
+# and the limits add up to 535 s), that decides whether the fast path runs, equals the twins, and how fast
+# the Qwen3.6-27B shape goes. Each step logs to OUT/<step>.log and leaves JSON where it measures
+# something; OUT/summary.txt lists every step with ok / FAILED / TIMEOUT and its seconds.
+#   1 kernels          tests/gpu: flash-linear-attention's rule and causal conv against the twins in bf16 and
+#                      float32 at the 27B head shapes (outputs, states, every gradient incl. the state ones;
+#                      the decisive check of fla's backward on Hopper, fla issue #640), torch's flash
+#                      attention against its twin, the CUDA twins against the CPU                     [75 s]
+#   2 validate_fla     `longstraw validate`, tiny model with Gated DeltaNet key dim 128, float32, exact mode,
+#                      a prefix-tree group: ops.gdn=fla against ops.gdn=plain (tools/compare_validate.py;
+#                      fla's float32 dots are TF32) -> validate_fla.json                              [60 s]
+#   3 validate_f64     `longstraw validate`, tiny, float64, exact, on CUDA and on the CPU from the same weights,
+#                      compared to 1e-10 normwise -> validate_compare.json                            [60 s]
+#   4 ladder           tools/bench_ladder.py: Qwen3.6-27B at full depth (64 layers, random weights, the NF4
+#                      QLoRA r16 base of configs/published/qwen3.6-27b-qlora-2m-8xh20-96gb.yaml at tp=1,
+#                      defaults otherwise: fla, flash attention, batched branches), R=1K, G=8: detached over
+#                      P=32K..2M while each next point is predicted to fit 130 s, exact over 16K..256K within
+#                      50 s: tokens/s and TFLOP/s per phase against 989, peak memory against the plan, the
+#                      planner's largest fitting prompt -> ladder_27b.json                            [250 s]
+#   5 vs_transformers  side by side with transformers on the same weights (transformers with fla: its own fast
+#                      path), configs/bench-hybrid-256.yaml, bf16, P=16K, R=1K, G=8 -> vs_transformers.json [90 s]
 # Usage:
 #   bash scripts/gpu_check.sh [OUT]                  on the CUDA machine (OUT defaults to $OUT, or runs/gpu_check)
-#   bash scripts/gpu_check.sh --cpu-rehearsal [OUT]  every step on the CPU at tiny sizes: tests this script
-#   GPU_CHECK_ONLY='^(smoke|train.*)$' bash scripts/gpu_check.sh ...   only the steps whose names match (bash
-#                                                    regex); the rest are listed as skipped. Lets a short device
-#                                                    lease run the correctness steps and the benches apart.
-# On a bare CUDA image without megatron-core, run scripts/gpu_wheels.sh where pip works first and carry .whl/.
+#   bash scripts/gpu_check.sh --all [OUT]            also the earlier lease's steps after these (smoke, train with a
+#                                                    checkpoint, QLoRA train, the memory switches, plan_vs_measured)
+#   bash scripts/gpu_check.sh --cpu-rehearsal [OUT]  every step on the CPU at tiny sizes, fla under Triton's interpreter
+#                                                    where the GPU run takes fla (float32): tests this script
+#   GPU_CHECK_ONLY='^(kernels|ladder)$' bash scripts/gpu_check.sh ...   only the steps whose names match (bash regex)
+# On a bare CUDA image, run scripts/gpu_wheels.sh where pip works first and carry .whl/ (megatron-core, torchao,
+# fla-core); the check then installs them into /tmp/site.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
-dev=cuda
-if [ "${1:-}" = "--cpu-rehearsal" ]; then dev=cpu; shift; fi
+dev=cuda all=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cpu-rehearsal) dev=cpu; shift ;;
+    --all) all=1; shift ;;
+    *) break ;;
+  esac
+done
 out="${1:-${OUT:-runs/gpu_check}}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
@@ -38,8 +49,8 @@ if [ "$dev" = cpu ]; then
   py="$(bash scripts/env.sh --test)/bin/python"
 else
   py=python3
-  if ! $py -c 'import megatron.core' >/dev/null 2>&1; then
-    [ -d .whl ] || { echo "megatron-core is missing and there is no .whl/ (run scripts/gpu_wheels.sh)"; exit 1; }
+  if ! $py -c 'import megatron.core, torchao, fla' >/dev/null 2>&1; then
+    [ -d .whl ] || { echo "megatron-core / torchao / fla-core missing and there is no .whl/ (run scripts/gpu_wheels.sh)"; exit 1; }
     $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site
   fi
@@ -47,82 +58,140 @@ fi
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 : > "$out/summary.txt"
 failed=0
-step() {  # step NAME CMD...: run, log, time, record
-  local name=$1; shift
-  local t0=$SECONDS
+slow=1; [ "$dev" = cpu ] && slow=4  # the rehearsal's limits: CPU interpreting, on a 2-core machine
+step() {  # step NAME LIMIT_S CMD...: run under a time limit (x slow), log, time, record
+  local name=$1 limit=$(($2 * slow)); shift 2
+  local t0=$SECONDS rc
   if [ -n "${GPU_CHECK_ONLY:-}" ] && ! [[ $name =~ $GPU_CHECK_ONLY ]]; then
     echo "$name skipped (GPU_CHECK_ONLY=$GPU_CHECK_ONLY)" | tee -a "$out/summary.txt"
     return 0
   fi
-  echo "[gpu_check] $name: $*"
-  if "$@" > "$out/$name.log" 2>&1; then
+  echo "[gpu_check] $name (limit ${limit} s): $*"
+  if declare -F "$1" > /dev/null; then  # a function of this script: run it in a child bash under the limit
+    timeout --kill-after=10 "$limit" bash -c "set -uo pipefail; $(declare -f "$1"); $*" > "$out/$name.log" 2>&1
+  else
+    timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
+  fi
+  rc=$?
+  if [ $rc = 0 ]; then
     echo "$name ok $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
   else
-    echo "$name FAILED $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
+    [ $rc = 124 ] && word=TIMEOUT || word=FAILED
+    echo "$name $word $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
     tail -n 25 "$out/$name.log"
     failed=1
   fi
 }
-tiny=configs/qwen3.6-tiny.yaml
 lt="$py -m longstraw_mcore"
-[ "$dev" = cuda ] && { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1 || true; }
-$py -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())' \
-  | tee "$out/versions.txt"
+tiny=configs/qwen3.6-tiny.yaml
+if [ "$dev" = cuda ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1 || true
+  interp="" gdnk=128
+else
+  # the CPU rehearsal: fla's kernels under Triton's interpreter (float32; key dim 16 keeps it quick)
+  interp="env TRITON_INTERPRET=1" gdnk=16
+fi
+export work out lt py dev interp  # (the step functions run in child shells)
+$py -c 'import importlib.util, importlib.metadata as md, sys, torch
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available(),
+      "triton", md.version("triton"), "fla-core", md.version("fla-core") if importlib.util.find_spec("fla") else None,
+      "transformers", md.version("transformers"))' | tee "$out/versions.txt"
 
-step smoke $lt smoke --config $tiny --steps 2 --seq-len 256 device=$dev model.dtype=bfloat16
+# 1 kernels
+if [ "$dev" = cuda ]; then
+  step kernels 75 $py -m pytest -q -s -p no:cacheprovider tests/gpu tests/unit/test_cpu_compat.py \
+    tests/unit/test_attention_entry.py tests/unit/test_block_attention.py
+else
+  step kernels 75 $py -m pytest -q -s -p no:cacheprovider tests/unit/test_fla_interpreter.py tests/gpu
+fi
+
+# 2 validate_fla: the tiny hybrid with 2 layers (Gated DeltaNet + attention), float32, a prefix-tree group
+# (tests/hf_reference.py's weights: a decay that matters, so no gradient is a near-cancelling sum)
+small="model.num_layers=2 model.full_attention_interval=2 model.linear_key_head_dim=$gdnk model.linear_value_head_dim=$gdnk"
+$py - "$work/hf32" "$work/tree.jsonl" "$gdnk" <<'PY'
+import random, sys
+sys.path.insert(0, "tests")
+from hf_reference import build_hf_model, tiny_model_config
+from longstraw_mcore.data.rollouts import RolloutGroup, write_rollouts
+d = int(sys.argv[3])
+build_hf_model(tiny_model_config(num_layers=2, full_attention_interval=2, vocab_size=512, linear_key_head_dim=d,
+                                 linear_value_head_dim=d, dtype="float32"), seed=5).save_pretrained(sys.argv[1])
+rng = random.Random(3)
+tok = lambda n: [rng.randrange(512) for _ in range(n)]
+a = tok(4)
+write_rollouts(sys.argv[2], [RolloutGroup(prompt=tok(150), responses=[a + tok(6), a + tok(3), tok(8), tok(5)],
+                                          rewards=[0.1, 0.9, 0.4, 0.7])])
+PY
+validate_fla() {
+  rm -rf "$work/val_plain" "$work/val_fla"
+  local v=(validate --hf "$work/hf32" --rollouts "$work/tree.jsonl" --mode exact --dump-grads)
+  local o=(device=$dev model.dtype=float32 replay.chunk_len=64)
+  $lt "${v[@]}" --out "$work/val_plain" "${o[@]}" ops.gdn=plain \
+    && $interp $lt "${v[@]}" --out "$work/val_fla" "${o[@]}" ops.gdn=fla \
+    && $py tools/compare_validate.py "$work/val_fla" "$work/val_plain" --tol 5e-3 --json "$out/validate_fla.json" \
+    && $py -c 'import json, sys; k = json.load(open(sys.argv[1]))["kernels"]; print("kernels", k)
+assert set(k["gdn_rule"]) == {"fla"} and set(k["gdn_conv"]) == {"fla"}, k' "$work/val_fla/receipt.json"
+}
+step validate_fla 60 validate_fla
+
+# 3 validate_f64: CUDA against the CPU (the rehearsal: the CPU run alone)
+$py tools/make_hf_model.py "$work/hf" --config $tiny model.dtype=float64 > /dev/null
 $py tools/make_rollouts.py "$work/rollouts.jsonl" --vocab 512 --groups 4 --prompt-len 300 --group-size 4 \
   --response-len 24 > /dev/null
-step train $lt train --config $tiny --rollouts "$work/rollouts.jsonl" --steps 3 --save "$work/ckpt" \
-  --metrics-out "$out/train_metrics.jsonl" device=$dev model.dtype=bfloat16 replay.mode=exact replay.chunk_len=64 \
-  train.save_every=3 train.lr=1e-3
-step train_qlora $lt train --config $tiny --rollouts "$work/rollouts.jsonl" --steps 2 \
-  device=$dev model.dtype=bfloat16 adapter.rank=4 adapter.base_dtype=nf4 replay.mode=exact replay.chunk_len=64 \
-  train.lr=1e-3
-# the memory switches (config/memory.py): Megatron's HybridDeviceOptimizer (CUDA parameters only; the CPU
-# rehearsal offloads the micro_step shards), layer recompute, the prompt state in host memory
-offload_red=step; [ "$dev" = cpu ] && offload_red=micro_step
-step train_offload $lt train --config $tiny --rollouts "$work/rollouts.jsonl" --steps 2 \
-  --metrics-out "$out/train_offload_metrics.jsonl" device=$dev model.dtype=bfloat16 replay.mode=exact \
-  replay.chunk_len=64 train.lr=1e-3 train.grad_reduction=$offload_red memory.optimizer_offload=true \
-  memory.recompute=layer memory.state_offload=true
-# no full-size gradient on the device: micro_step shards, gradients staged in pinned host memory as
-# autograd completes them (memory/grad_stage.py), the optimizer on the host too
-step train_grad_offload $lt train --config $tiny --rollouts "$work/rollouts.jsonl" --steps 2 \
-  --metrics-out "$out/train_grad_offload_metrics.jsonl" device=$dev model.dtype=bfloat16 replay.mode=exact \
-  replay.chunk_len=64 train.lr=1e-3 train.grad_reduction=micro_step memory.grad_offload=true \
-  memory.optimizer_offload=true train.grad_bucket_mib=1
+validate_f64() {
+  rm -rf "$work/validate_cuda" "$work/validate_cpu"
+  local v=(validate --hf "$work/hf" --rollouts "$work/rollouts.jsonl" --mode exact --dump-grads)
+  local o=(model.dtype=float64 replay.chunk_len=64)
+  $lt "${v[@]}" --out "$work/validate_cpu" "${o[@]}" device=cpu || return 1
+  [ "$dev" = cpu ] && return 0
+  $lt "${v[@]}" --out "$work/validate_cuda" "${o[@]}" device=cuda \
+    && $py tools/compare_validate.py "$work/validate_cuda" "$work/validate_cpu" --tol 1e-10 --tol-own 1e-6 \
+      --json "$out/validate_compare.json"
+}
+step validate_f64 60 validate_f64
+
+# 4 ladder: the 27B shape at full depth (the rehearsal: the tiny model, fla under the interpreter)
 if [ "$dev" = cuda ]; then
-  step plan_vs_measured_switches $py tools/plan_vs_measured.py --points cuda --out "$out/plan_vs_measured_cuda.json"
-fi
-$py tools/make_hf_model.py "$work/hf" --config $tiny model.dtype=float64 > /dev/null
-step validate_$dev $lt validate --hf "$work/hf" --rollouts "$work/rollouts.jsonl" --out "$work/validate_$dev" \
-  --mode exact --dump-grads device=$dev model.dtype=float64 replay.chunk_len=64
-if [ "$dev" = cuda ]; then
-  step validate_cpu $lt validate --hf "$work/hf" --rollouts "$work/rollouts.jsonl" --out "$work/validate_cpu" \
-    --mode exact --dump-grads device=cpu model.dtype=float64 replay.chunk_len=64
-  step validate_compare $py tools/compare_validate.py "$work/validate_cuda" "$work/validate_cpu" --tol 1e-10 \
-    --tol-own 1e-6 --json "$out/validate_compare.json"
-fi
-step tests $py -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_cpu_compat.py \
-  tests/unit/test_attention_entry.py tests/unit/test_block_attention.py
-if [ "$dev" = cuda ]; then
-  big="--config configs/qwen3.6-27b.yaml --response-lens 1024 --group-sizes 2 --naive-max-prompt 0 --peak-tflops 989"
-  step bench_128k_detached $py tools/bench_replay.py $big --prompt-lens 131072 --modes detached \
-    --out "$out/bench_128k_detached.json" model.num_layers=4 parallel.tp=1 device=cuda
-  step bench_32k_exact $py tools/bench_replay.py $big --prompt-lens 32768 --modes exact \
-    --out "$out/bench_32k_exact.json" model.num_layers=4 parallel.tp=1 device=cuda
-  step bench_128k_offload $py tools/bench_replay.py $big --prompt-lens 131072 --modes detached \
-    --out "$out/bench_128k_offload.json" model.num_layers=4 parallel.tp=1 device=cuda memory.recompute=layer \
-    memory.state_offload=true memory.state_dtype=fp8
-  step vs_transformers $py tools/bench_replay.py --vs-transformers --config configs/bench-hybrid-256.yaml \
-    --prompt-lens 16384,65536 --response-lens 1024 --group-sizes 8 --hf-full-copies 1 --out "$out/vs_transformers.json" \
-    device=cuda model.dtype=bfloat16 replay.keep_prompt_graph_mib=16384
+  step ladder 250 $py tools/bench_ladder.py --config configs/published/qwen3.6-27b-qlora-2m-8xh20-96gb.yaml \
+    --prompt-lens 32768,131072,524288,1048576,2097152 --response-len 1024 --group-size 8 \
+      --budget-s 130 --exact-prompt-lens 16384,65536,262144 --exact-budget-s 50 --peak-tflops 989.4 \
+    --out "$out/ladder_27b.json" parallel.tp=1 device=cuda
 else
-  step bench_rehearsal $py tools/bench_replay.py --config $tiny --prompt-lens 512 --response-lens 32 --group-sizes 2 \
-    --modes detached,exact --naive-max-prompt 0 --peak-tflops 1 --out "$out/bench_rehearsal.json" device=cpu
-  step vs_transformers_rehearsal $py tools/bench_replay.py --vs-transformers --config configs/bench-hybrid-256.yaml \
-    --prompt-lens 256 --response-lens 16 --group-sizes 2 --out "$out/vs_transformers.json" device=cpu \
-    replay.keep_prompt_graph_mib=64
+  step ladder 75 $interp $py tools/bench_ladder.py --config $tiny --prompt-lens 64,128,100000 \
+    --response-len 8 --group-size 2 --budget-s 20 --exact-prompt-lens 64,100000 --exact-budget-s 20 \
+    --peak-tflops 1 --warmup-prompt 32 --out "$out/ladder_27b.json" $small model.dtype=float32 \
+    replay.chunk_len=64 adapter.rank=4 adapter.base_dtype=nf4 ops.gdn=fla
+fi
+
+# 5 vs_transformers: the side by side (the rehearsal: tiny, the twins)
+if [ "$dev" = cuda ]; then
+  step vs_transformers 90 $py tools/bench_replay.py --vs-transformers --config configs/bench-hybrid-256.yaml \
+    --prompt-lens 16384 --response-lens 1024 --group-sizes 8 --hf-full-copies 1 --out "$out/vs_transformers.json" \
+    device=cuda model.dtype=bfloat16
+else
+  step vs_transformers 90 $py tools/bench_replay.py --vs-transformers --config configs/bench-hybrid-256.yaml \
+    --prompt-lens 256 --response-lens 16 --group-sizes 2 --out "$out/vs_transformers.json" device=cpu
+fi
+
+if [ "$all" = 1 ]; then  # the earlier lease's steps (bench_results/h200_gpu_check_20261204)
+  step smoke 120 $lt smoke --config $tiny --steps 2 --seq-len 256 device=$dev model.dtype=bfloat16
+  step train 180 $lt train --config $tiny --rollouts "$work/rollouts.jsonl" --steps 3 --save "$work/ckpt" \
+    --metrics-out "$out/train_metrics.jsonl" device=$dev model.dtype=bfloat16 replay.mode=exact replay.chunk_len=64 \
+    train.save_every=3 train.lr=1e-3
+  step train_qlora 180 $lt train --config $tiny --rollouts "$work/rollouts.jsonl" --steps 2 \
+    device=$dev model.dtype=bfloat16 adapter.rank=4 adapter.base_dtype=nf4 replay.mode=exact replay.chunk_len=64 \
+    train.lr=1e-3
+  offload_red=step; [ "$dev" = cpu ] && offload_red=micro_step
+  step train_offload 180 $lt train --config $tiny --rollouts "$work/rollouts.jsonl" --steps 2 \
+    --metrics-out "$out/train_offload_metrics.jsonl" device=$dev model.dtype=bfloat16 replay.mode=exact \
+    replay.chunk_len=64 train.lr=1e-3 train.grad_reduction=$offload_red memory.optimizer_offload=true \
+    memory.recompute=layer memory.state_offload=true
+  step train_grad_offload 180 $lt train --config $tiny --rollouts "$work/rollouts.jsonl" --steps 2 \
+    --metrics-out "$out/train_grad_offload_metrics.jsonl" device=$dev model.dtype=bfloat16 replay.mode=exact \
+    replay.chunk_len=64 train.lr=1e-3 train.grad_reduction=micro_step memory.grad_offload=true \
+    memory.optimizer_offload=true train.grad_bucket_mib=1
+  [ "$dev" = cuda ] && step plan_vs_measured_switches 300 $py tools/plan_vs_measured.py --points cuda \
+    --out "$out/plan_vs_measured_cuda.json"
 fi
 echo "[gpu_check] summary ($out/summary.txt):"
 cat "$out/summary.txt"

@@ -2,12 +2,14 @@
 """How far one device goes on a config within a time budget: a ladder of prompt lengths, one model build.
 
   python tools/bench_ladder.py --config configs/published/qwen3.6-27b-qlora-2m-8xh20-96gb.yaml \
-      --prompt-lens 32768,131072,524288,2097152 --response-len 1024 --group-size 8 --modes detached \
-      --budget-s 240 --peak-tflops 989 --out ladder.json parallel.tp=1 memory.recompute=none
+      --prompt-lens 32768,131072,524288,2097152 --budget-s 130 [--exact-prompt-lens 16384,65536 \
+      --exact-budget-s 50] --response-len 1024 --group-size 8 --peak-tflops 989.4 --out ladder.json \
+      parallel.tp=1
 
 The model (with the config's adapters: an NF4 QLoRA base where it says so) is built once with random
 weights, as `longstraw validate` builds it; a small untimed group first compiles and autotunes the
-kernels. Then, per mode, one GRPO group step (`process_group`: capture, replay, exact mode's prompt
+kernels. Then, per mode (detached over --prompt-lens within --budget-s, then exact over
+--exact-prompt-lens within --exact-budget-s, if given), one GRPO group step (`process_group`: capture, replay, exact mode's prompt
 backward; no optimizer) per prompt length in ascending order, while
   - the planner says it fits this device (planner/memory.py plan_memory, the optimizer left out:
     there is none here), and
@@ -38,19 +40,25 @@ def _phase_tokens(P: int, R: int, G: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
-    p.add_argument("--prompt-lens", required=True, help="ascending, comma-separated")
+    p.add_argument("--prompt-lens", required=True, help="detached mode: ascending, comma-separated")
+    p.add_argument("--budget-s", type=float, default=240.0, help="detached mode's timed points, seconds")
+    p.add_argument("--exact-prompt-lens", default="", help="exact mode: ascending, comma-separated (none: skip)")
+    p.add_argument("--exact-budget-s", type=float, default=60.0)
     p.add_argument("--response-len", type=int, default=1024)
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--modes", default="detached")
-    p.add_argument("--budget-s", type=float, default=240.0, help="per mode, for the timed points")
     p.add_argument("--peak-tflops", type=float, default=989.4, help="the device's dense bf16 peak")
     p.add_argument("--warmup-prompt", type=int, default=2048)
     p.add_argument("--out", default="ladder.json")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
-    lens = [int(x) for x in a.prompt_lens.split(",")]
-    if lens != sorted(lens) or min(lens) < 2:
-        raise SystemExit(f"--prompt-lens {a.prompt_lens}: ascending lengths >= 2")
+    ladders = {"detached": (a.prompt_lens, a.budget_s)}
+    if a.exact_prompt_lens:
+        ladders["exact"] = (a.exact_prompt_lens, a.exact_budget_s)
+    for mode, (text, _) in list(ladders.items()):
+        lens = [int(x) for x in text.split(",")]
+        if lens != sorted(lens) or min(lens) < 2:
+            raise SystemExit(f"{mode} prompt lengths {text}: ascending lengths >= 2")
+        ladders[mode] = (lens, ladders[mode][1])
     from longstraw_mcore.cli import quiet_expected_warnings
 
     quiet_expected_warnings()
@@ -109,12 +117,12 @@ def main(argv=None) -> int:
         plan["optimizer"] = 0
         return plan
 
-    run(a.warmup_prompt, "exact" if "exact" in a.modes else "detached")  # compile / autotune, untimed
+    run(a.warmup_prompt, "exact" if "exact" in ladders else "detached")  # compile / autotune, untimed
     out = {"config": a.config, "overrides": a.overrides, "device": str(par.device), "R": R, "G": G,
            "device_name": torch.cuda.get_device_name(par.device) if cuda else "cpu", "build_seconds": build_s,
            "peak_tflops": a.peak_tflops, "weights_bytes": (torch.cuda.memory_allocated() - base) if cuda else None,
            "modes": {}}
-    for mode in a.modes.split(","):
+    for mode, (lens, budget) in ladders.items():
         c = dataclasses.replace(cfg, replay=dataclasses.replace(cfg.replay, mode=mode))
         fit = max_prompt_len(family, c, R, G, 1, device_bytes, cuda=True) if cuda else None
         rows, spent, last, stop = [], 0.0, None, "every length ran"
@@ -126,8 +134,8 @@ def main(argv=None) -> int:
                 break
             if last is not None:
                 guess = last[1] * sum(fl.values()) / sum(last[0].values())
-                if spent + guess > a.budget_s:
-                    stop = f"P={P}: predicted {guess:.0f} s > the {a.budget_s - spent:.0f} s left of --budget-s"
+                if spent + guess > budget:
+                    stop = f"P={P}: predicted {guess:.0f} s > the {budget - spent:.0f} s left of its budget"
                     break
             st, secs = run(P, mode)
             spent += secs
@@ -140,17 +148,17 @@ def main(argv=None) -> int:
                    "tflops_per_s_total": sum(fl.values()) / secs / 1e12,
                    "planned_bytes": sum(plan.values()), "planned": plan, "state_bytes": st.state_bytes,
                    "kernels": dispatch.kernels_run()}
-            row["fraction_of_peak"] = row["tflops_per_s_total"] / a.peak_tflops
+            row["fraction_of_peak"] = row['tflops_per_s_total'] / a.peak_tflops
             if cuda:
                 row["measured_peak_bytes"] = torch.cuda.max_memory_allocated() - base
                 row["measured_over_planned"] = row["measured_peak_bytes"] / row["planned_bytes"]
             rows.append(row)
             print(f"[ladder] {mode} P={P:,}: {secs:.1f} s, " + ", ".join(
-                f"{k} {row['tokens_per_s'][k]:,.0f} tok/s ({row['tflops_per_s'][k]:.1f} TFLOP/s)" for k in row["tokens_per_s"])
-                + f"; {row['tflops_per_s_total']:.1f} TFLOP/s = {row['fraction_of_peak']:.1%} of {a.peak_tflops:g}"
+                f"{k} {row['tokens_per_s'][k]:,.0f} tok/s ({row['tflops_per_s'][k]:.3g} TFLOP/s)" for k in row["tokens_per_s"])
+                + f"; {row['tflops_per_s_total']:.3g} TFLOP/s = {row['fraction_of_peak']:.1%} of {a.peak_tflops:g}"
                 + (f"; peak {row['measured_peak_bytes'] / 2**30:.1f} GiB vs plan {row['planned_bytes'] / 2**30:.1f} GiB"
                    if cuda else ""), flush=True)
-        out["modes"][mode] = {"rows": rows, "stopped": stop, "planner_largest_prompt": fit,
+        out["modes"][mode] = {"rows": rows, "stopped": stop, "budget_s": budget, "planner_largest_prompt": fit,
                               "largest_prompt_run": rows[-1]["P"] if rows else None}
         print(f"[ladder] {mode}: largest P run {out['modes'][mode]['largest_prompt_run']}, planner's largest fitting "
               f"{fit}; stopped: {stop}", flush=True)

@@ -9,6 +9,8 @@ CPU_DTYPES = ("float64", "float32", "bfloat16", "float16")
 fp16 inputs in float32 here, the twin's work dtype)."""
 CUDA_DTYPES = ("bfloat16", "float16")
 CUDA_MAX_HEAD_DIM = 256
+FLA_DTYPES = ("bfloat16", "float16", "float32")
+"""The dtypes flash-linear-attention's kernels take (ops/fla_gdn.DTYPES)."""
 
 
 def attention_kernel_name(choice: str, device: str, dtype: str, head_dim: int, value_head_dim: int | None = None,
@@ -33,7 +35,8 @@ def attention_kernel_name(choice: str, device: str, dtype: str, head_dim: int, v
 def gdn_kernel_name(choice: str, device: str, dtype: str) -> str:
     """"fla" or "plain": the Gated DeltaNet rule `choice` (auto / plain / fla) takes on `device` in
     `dtype`, as ops/dispatch.gdn_kernel would where flash-linear-attention is installed (the `gpu` extra;
-    the dispatch checks that, and fla's own limits, on the tensors): auto takes fla for CUDA bf16 / fp16."""
+    the dispatch checks that, and fla's own limits, on the tensors): auto takes fla for CUDA bf16 / fp16 /
+    fp32 (ops/fla_gdn.py)."""
     if choice == "plain":
         return "plain"
-    return "fla" if choice == "fla" or (device == "cuda" and dtype in CUDA_DTYPES) else "plain"
+    return "fla" if choice == "fla" or (device == "cuda" and dtype in FLA_DTYPES) else "plain"
