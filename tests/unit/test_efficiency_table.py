@@ -106,10 +106,12 @@ def test_lookup_by_kernels_and_bad_names():
                        (("H20-96GB", "exact", "tilelang", "flash"), "gdn kernel 'tilelang' is not known")]:
         with pytest.raises(ConfigError, match=want.replace("[", r"\[").replace("(", r"\(")):
             efficiencies(*args)
-    # what a config takes on CUDA: auto is fla for bf16 Gated DeltaNet, the plain rule when forced or in float32
+    # what a config takes on CUDA: auto is fla for bf16 / fp16 / fp32 Gated DeltaNet, the plain rule when forced;
+    # float32 attention runs the twin
     assert run_kernels(_cfg("configs/qwen3.6-27b.yaml")) == {"gdn": "fla", "attention": "flash"}
     assert run_kernels(_cfg("configs/qwen3.6-27b.yaml", "ops.gdn=plain")) == {"gdn": "plain", "attention": "flash"}
-    assert run_kernels(_cfg("configs/qwen3.6-tiny.yaml")) == {"gdn": "plain", "attention": "plain"}  # float32
+    assert run_kernels(_cfg("configs/qwen3.6-tiny.yaml")) == {"gdn": "fla", "attention": "plain"}  # float32
+    assert run_kernels(_cfg("configs/qwen3.6-tiny.yaml", "model.dtype=float64"))["gdn"] == "plain"
     assert run_kernels(_cfg("configs/glm-5.2-tiny.yaml"))["gdn"] == "none"
 
 
@@ -134,7 +136,8 @@ def test_plan_time_per_phase_by_hand_and_the_override():
         assert t["efficiency"][phase]["value"] == getattr(row, phase).value
     assert t["efficiency"]["prompt_backward"] == {"value": row.prompt_backward.value, "source": "derived",
                                                   "from": row.prompt_backward.basis}
-    assert t["efficiency_notes"] == ["no measurement with the plain attention twin: flash-attention figures"]
+    assert t["efficiency_notes"] == ["no measurement with fla yet: plain-rule figures",  # (float32: fla on CUDA)
+                                     "no measurement with the plain attention twin: flash-attention figures"]
     one = plan_time(fam, cfg, P, R, G, 1, h20, 0.05, {})
     for phase, f in flops.items():
         assert math.isclose(one["seconds"][phase], f / (148e12 * 0.05), rel_tol=1e-12), phase
