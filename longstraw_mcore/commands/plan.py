@@ -47,11 +47,12 @@ def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float 
     host_limit = int(host_gib * GIB)
     family = get_family(cfg.model.family)
     per, host = plan_both(family, cfg, P, R, G, gpus, cuda=True)  # the device profiles are GPUs
-    pieces = None
+    pieces = passes = None
     if tree is not None:
-        from longstraw_mcore.planner.tree import path_state_bytes, tree_pieces
+        from longstraw_mcore.planner.tree import path_state_bytes, tree_passes, tree_pieces
 
         pieces = tree_pieces(*tree)
+        passes = tree_passes(*tree, cfg.replay.batch_tokens)
         stages, lo = cfg.parallel.stage_layers(cfg.model.num_layers), 0
         worst = 0
         for n in stages:
@@ -82,7 +83,7 @@ def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float 
     out["fits"] = out["fits_device"] and out["fits_host"]
     # time: a model (planner/timing.py): FLOPs at `efficiency` of the bf16 peak, transfers and the CPU
     # optimizer at constant rates, no communication
-    out.update(plan_time(family, cfg, P, R, G, gpus, dev.bf16_flops, efficiency, host, pieces))
+    out.update(plan_time(family, cfg, P, R, G, gpus, dev.bf16_flops, efficiency, host, pieces, passes))
     out["time_model"] = ("an estimate, not a measurement: FLOPs at the given fraction of the bf16 peak, PCIe and CPU "
                          "Adam at constant rates, nothing overlapped, no communication (planner/timing.py)")
     return out
