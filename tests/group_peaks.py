@@ -1,6 +1,8 @@
 """The memory property of branch replay on a built model: the peak of an exact-mode group step at G=2
 and at G=8 (same prompt, 6-token branches, chunks of 64), and one branch's scratch (replaying one more
-branch against a captured state). Peak growth from G=2 to G=8 must stay below one branch's scratch."""
+branch against a captured state). Peak growth from G=2 to G=8 must stay below one branch's scratch.
+One branch per micro-step (replay.batch_tokens=0): under a budget a micro-step holds up to that many
+tokens whatever G is (tests/replay/test_memory.py holds that bound)."""
 from __future__ import annotations
 
 import torch
@@ -14,7 +16,7 @@ def group_peaks(model, m, device, prompt: list[int], gen: torch.Generator) -> di
     from longstraw_mcore.replay.engine import capture, make_leaves, replay_branches
     from longstraw_mcore.replay.group_step import process_group
 
-    rcfg = ReplayConfig(mode="exact", chunk_len=64)
+    rcfg = ReplayConfig(mode="exact", chunk_len=64, batch_tokens=0)
     peaks = {}
     for G in (2, 8):
         grp = RolloutGroup(prompt=prompt, responses=[torch.randint(0, m.vocab_size, (6,), generator=gen).tolist()

@@ -9,11 +9,13 @@
       --response-lens 128 --group-sizes 8 [--hf-full-copies N] [--cold] [--out vs_hf.json]
 
 --vs-transformers runs, in one process on the same weights, transformers' full sequences, transformers'
-no-grad prompt cache + per-branch autograd, and our detached and exact modes (longstraw_mcore/bench/
-vs_transformers.py): seconds per path and phase, speed-ups, and each of our gradients against its
-transformers peer. Each path runs twice per point and its second run is timed (a training loop's
-steady state; --cold times the first, whose seconds the JSON keeps either way). The config's
-memory.host_heap applies to the whole process (bench-hybrid-256.yaml: retain), both peers alike.
+no-grad prompt cache + per-branch autograd, and our detached and exact modes, one branch per micro-step
+(replay.batch_tokens=0) and batched (the config's replay.batch_tokens, the default unless set: what a
+user gets) (longstraw_mcore/bench/vs_transformers.py): seconds per path and phase, speed-ups, and each
+of our gradients against its transformers peer. Each path runs twice per point and its second run is
+timed (a training loop's steady state; --cold times the first, whose seconds the JSON keeps either
+way). The config's memory.host_heap applies to the whole process (bench-hybrid-256.yaml: retain), both
+peers alike.
 
 --tree WIDTHS:LENGTHS replaces each point's responses by a full prefix tree (widths[d] children per node
 at depth d, segments of lengths[d] tokens, the last the responses' own tails; the example: G=16
@@ -152,6 +154,7 @@ def main(argv=None) -> int:
     from longstraw_mcore.planner.flops import naive_flops, step_flops
     from longstraw_mcore.bench.trees import full_tree
     from longstraw_mcore.replay.engine import replay_pieces, stores_attention_probs
+    from longstraw_mcore.replay.plan import micro_steps
     from longstraw_mcore.replay.group_step import process_group
     from longstraw_mcore.replay.reference import full_sequence_branches
 
@@ -203,7 +206,8 @@ def main(argv=None) -> int:
                     model.zero_grad(set_to_none=True)
                     st, secs, flops, peak = _measure(lambda: process_group(model, group, rcfg, cfg.grpo),
                                                      par.device)
-                    store = stores_attention_probs(model, P - 1, rcfg, G if rcfg.batch_branches else 1, R)
+                    widest = max(b - a for a, b in micro_steps([R] * G, rcfg.batch_tokens))
+                    store = stores_attention_probs(model, P - 1, rcfg, widest, R)
                     an = step_flops(family.layers, m, P, replay_pieces(model, responses, rcfg), mode, rcfg.chunk_len,
                                     par.tp, store_probs=store)
                     if naive is None and P <= a.naive_max_prompt and G <= a.naive_max_group:
@@ -217,6 +221,7 @@ def main(argv=None) -> int:
                                  "copies_run": copies, "measured_flops_of_copies_run": nflops}
                     nan = naive_flops(family.layers, m, P, [R] * G, par.tp)
                     row = {"P": P, "R": R, "G": G, "mode": mode, "chunk_len": rcfg.chunk_len, "tree": as_tree,
+                           "batch_tokens": rcfg.batch_tokens,
                            "replayed_tokens": st.replayed_tokens, "response_tokens": st.tokens,
                            "attn_probs_budget_mib": rcfg.attn_probs_budget_mib, "store_probs": store,
                            "seconds": secs, "phase_seconds": st.seconds,
@@ -268,6 +273,8 @@ def vs_transformers(a) -> int:
     par = setup_parallel(cfg)
     configure(cfg.ops)
     host_heap.apply(cfg.memory.host_heap)  # (process-wide: transformers' paths run under it too)
+    if cfg.replay.batch_tokens == 0:
+        print("(replay.batch_tokens=0: the batched columns are one branch per micro-step too)", flush=True)
     model = get_family(m.family).build_model(m, par, cfg.resolved_device())
     # transformers with its fast Gated DeltaNet path where it has one: fla on CUDA (bench/hf_kernels.py)
     import importlib.util
@@ -286,11 +293,11 @@ def vs_transformers(a) -> int:
                 responses = [torch.randint(0, m.vocab_size, (R,), generator=gen).tolist() for _ in range(G)]
                 group = RolloutGroup(prompt=prompt, responses=responses, rewards=[float(i % 3) for i in range(G)])
                 print(f"P={P} R={R} G={G} ({m.dtype}, {torch.get_num_threads()} threads, ops.attention="
-                      f"{cfg.ops.attention}, ops.gdn={cfg.ops.gdn}, memory.host_heap={host_heap.applied()}):",
-                      flush=True)
+                      f"{cfg.ops.attention}, ops.gdn={cfg.ops.gdn}, memory.host_heap={host_heap.applied()}, batched: "
+                      f"replay.batch_tokens={cfg.replay.batch_tokens}):", flush=True)
                 res = vt.run_point(model, hf, m, group, cfg.replay, cfg.grpo, copies=a.hf_full_copies, warm=not a.cold,
                                    progress=lambda s: print(s, flush=True))
-                rows.append({"P": P, "R": R, "G": G, "paths": res})
+                rows.append({"P": P, "R": R, "G": G, "batch_tokens": cfg.replay.batch_tokens, "paths": res})
                 if len(rows) == 1 or rows[-2]["P"] != P:  # the GDN kernels alone, once per prompt length
                     kern = vt.gdn_kernels(m, P, device=par.device.type)
                     rows[-1]["gdn_kernels"] = kern
@@ -311,7 +318,10 @@ def vs_transformers(a) -> int:
 
 def vs_table(rows) -> str:
     """The side-by-side table: seconds per path (ours with its phases), and the acceptance ratios."""
-    out = ["| P | R | G | transformers full seq. | transformers cache | detached (capture + replay) | "
+    budgets = sorted({r.get("batch_tokens", "?") for r in rows}, key=str)
+    out = [f"(detached, exact: one branch per micro-step; batched: replay.batch_tokens={', '.join(map(str, budgets))}; "
+           "ratios: unbatched / batched)",
+           "| P | R | G | transformers full seq. | transformers cache | detached (capture + replay) | "
            "exact (+ prompt bwd) | detached, batched | exact, batched | detached vs cache | exact vs full seq. | "
            "exact / detached | exact / detached, first runs | grad vs peer (det., exact) |", "|" + "---|" * 14]
     for r in rows:

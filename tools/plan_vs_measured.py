@@ -19,11 +19,19 @@ only and the host side is the same storage count.
   cpu   measured here: 2 gloo ranks, the tiny configs at several layouts, P, R, G, dtypes and both modes;
         PyTorch's profiler counts every CPU tensor allocation (bench/memory.measure_memory), the CPU twin
         of the CUDA allocator's peak. Under CP the figure is an upper bound (a buffer freed on a gloo
-        thread is not seen). The largest rank of each layout.
+        thread is not seen). The largest rank of each layout. One branch per replay micro-step
+        (replay.batch_tokens=0) unless the point sets a budget: the planner counts every micro-step with
+        the step's gradients alive (as they are under DDP's buffer, or from a group's second micro-step
+        on), and a group replayed as one micro-step with plain `.grad` tensors makes them during its
+        only backward, so its peak is lower by up to their bytes (tiny Qwen f32, R=96, G=4 in one
+        micro-step, recompute=layer: planned 7.49 MiB, measured 6.12; the same 384 tokens as one branch
+        of G=2 per micro-step: 6.95): there the plan is an upper bound. The batched points run G=4 in
+        two micro-steps.
   cuda  the memory-switch points on this machine's GPU, one rank (scripts/gpu_check.sh runs it)
   h200  the measured rows of bench_results/h200_qwen27b_4layer_bench.json (tools/bench_replay.py on one
-        H200: Qwen3.6-27B at its real width, 4 layers, bf16, P 8K-128K, R 1K, G 2/8, both modes;
-        torch.cuda.max_memory_allocated above the weights, which are not counted; their .grad are).
+        H200: Qwen3.6-27B at its real width, 4 layers, bf16, P 8K-128K, R 1K, G 2/8, both modes, one
+        branch per micro-step; torch.cuda.max_memory_allocated above the weights, which are not counted;
+        their .grad are).
 """
 
 from __future__ import annotations
@@ -103,6 +111,15 @@ CPU_POINTS = [
     ("qwen tiny bf16 exact chunk 96, micro_step + grad offload + recompute", "configs/qwen3.6-tiny.yaml",
      ["model.dtype=bfloat16", "replay.mode=exact", "replay.chunk_len=96", "train.grad_reduction=micro_step",
       "memory.grad_offload=true", "train.grad_bucket_mib=0.125", "memory.recompute=layer"], 300, 96, 4, []),
+    # replay micro-steps of 2 branches (replay.batch_tokens = 2 R, G = 4: two micro-steps, the second with
+    # the gradients alive, as the planner counts every micro-step); the points above run one branch each
+    ("qwen tiny f32 detached, 2 branches per micro-step", "configs/qwen3.6-tiny.yaml",
+     ["replay.mode=detached", "replay.batch_tokens=192"], 300, 96, 4, []),
+    ("qwen tiny f32 V=16384 detached, 2 branches per micro-step", "configs/qwen3.6-tiny.yaml",
+     ["model.vocab_size=16384", "replay.mode=detached", "replay.batch_tokens=256"], 200, 128, 4, []),
+    ("qwen tiny f32 exact chunk 96, recompute=layer, twin, 2 branches per micro-step", "configs/qwen3.6-tiny.yaml",
+     ["replay.mode=exact", "replay.chunk_len=96", "memory.recompute=layer", "ops.attention=plain",
+      "replay.batch_tokens=192"], 300, 96, 4, []),
 ]
 
 
@@ -131,7 +148,8 @@ def _cpu_worker(rank, world_size, points, device: str = "cpu"):
     warm = 1 if device == "cuda" and points else 0
     points = [*points[:warm], *points]
     for name, config, overrides, P, R, G, layout in points:
-        cfg = load_config(os.path.join(ROOT, config), [*overrides, *layout, f"device={device}"])
+        # one branch per replay micro-step unless the point sets a budget (the module docstring)
+        cfg = load_config(os.path.join(ROOT, config), ["replay.batch_tokens=0", *overrides, *layout, f"device={device}"])
         par = setup_parallel(cfg)
         configure(cfg.ops)  # (the kernels the point names; the default choices otherwise)
         m = cfg.model
@@ -298,7 +316,9 @@ def h200_rows(path: str = H200) -> list[dict]:
     for r in data["rows"]:
         cfg = load_config(os.path.join(ROOT, "configs", "qwen3.6-27b.yaml"),
                           ["model.num_layers=4", "parallel.tp=1", "parallel.pp=1", "ops.attention=plain", f"replay.mode={r['mode']}",
-                           f"replay.chunk_len={r['chunk_len']}", f"replay.attn_probs_budget_mib={r['attn_probs_budget_mib']}"])
+                           f"replay.chunk_len={r['chunk_len']}", f"replay.attn_probs_budget_mib={r['attn_probs_budget_mib']}",
+                           # rows from before replay.batch_tokens ran one branch per micro-step
+                           f"replay.batch_tokens={r.get('batch_tokens', 0)}"])
         rows.append({"name": f"qwen3.6-27b 4 layers {r['mode']}", "where": "H200 (measured, bench27b.json)",
                      "config": "configs/qwen3.6-27b.yaml", "P": r["P"], "R": r["R"], "G": r["G"], "mode": r["mode"],
                      "measured_bytes": r["peak_bytes"], "how": "torch.cuda.max_memory_allocated above the weights",

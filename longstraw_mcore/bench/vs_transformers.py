@@ -4,10 +4,11 @@
                 gradient exact mode computes
     hf_cache    the prompt under no_grad once, each branch with autograd on a copy of its cache; the
                 gradient detached mode computes
-    detached    our capture + replay (replay/engine.py), one branch per micro-step (the default)
-    exact       our capture + replay + prompt backward
-    detached_batched, exact_batched   the same with replay.batch_branches=true (every branch of the
-                group in one micro-step against the one state, no copy of it: G x the activations)
+    detached    our capture + replay (replay/engine.py), one branch per micro-step (replay.batch_tokens=0)
+    exact       our capture + replay + prompt backward, one branch per micro-step
+    detached_batched, exact_batched   the same with the config's replay.batch_tokens (the default 8,192
+                unless the config sets it: what a user gets): the branches in micro-steps of up to that
+                many tokens against the one state, no copy of it (at R=128, G=8 all of them in one)
 
 Each path runs the same GRPO terms and back-propagates them; its seconds (and ours per phase) are
 timed, and its gradient is compared with its peer's (detached vs hf_cache, exact vs hf_full) so a fast
@@ -158,7 +159,7 @@ def _run_path(path, model, hf, m, group, rcfg, gcfg, fn, copies: int, keep_grads
         grads = hf_to_mcore(_grads_hf(hf), m) if keep_grads else None
     else:
         mode, batched = path.split("_")[0], path.endswith("_batched")
-        r = type(rcfg)(**{**rcfg.__dict__, "mode": mode, "batch_branches": batched or rcfg.batch_branches})
+        r = type(rcfg)(**{**rcfg.__dict__, "mode": mode, "batch_tokens": rcfg.batch_tokens if batched else 0})
         st = process_group(model, group, r, gcfg)
         _sync(dev)
         secs = time.perf_counter() - t0

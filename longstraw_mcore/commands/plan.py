@@ -51,11 +51,12 @@ def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float 
     host_limit = int(host_gib * GIB)
     family = get_family(cfg.model.family)
     per, host = plan_both(family, cfg, P, R, G, gpus, cuda=True)  # the device profiles are GPUs
-    pieces = None
+    pieces = passes = None
     if tree is not None:
-        from longstraw_mcore.planner.tree import path_state_bytes, tree_pieces
+        from longstraw_mcore.planner.tree import path_state_bytes, tree_passes, tree_pieces
 
         pieces = tree_pieces(*tree)
+        passes = tree_passes(*tree, cfg.replay.batch_tokens)
         stages, lo = cfg.parallel.stage_layers(cfg.model.num_layers), 0
         worst = 0
         for n in stages:
@@ -87,7 +88,7 @@ def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float 
     out["fits"] = out["fits_device"] and out["fits_host"]
     # time: a model (planner/timing.py): each phase's FLOPs at its efficiency (planner/efficiency.py, or
     # --efficiency for all), transfers and the CPU optimizer at constant rates, no communication
-    out.update(plan_time(family, cfg, P, R, G, gpus, dev, efficiency, host, pieces))
+    out.update(plan_time(family, cfg, P, R, G, gpus, dev, efficiency, host, pieces, passes))
     out["time_model"] = ("an estimate, not a measurement: each phase's FLOPs at its efficiency (a fraction of the bf16 "
                          "peak: \"efficiency\", measured or derived, planner/efficiency.py), PCIe and CPU Adam at "
                          "constant rates, nothing overlapped, no communication (planner/timing.py)")

@@ -3,7 +3,8 @@
 `load_config(path, overrides)` reads a YAML file (`configs/*.yaml`), applies `a.b=value` overrides
 (values parsed as YAML) and builds `RunConfig`; the model section's `family` key picks its dataclass
 (qwen3_5 when absent). Unknown keys and values of the wrong type are refused naming the key and what
-would be valid; each dataclass then checks its own values."""
+would be valid (a removed key names its replacement: REMOVED); each dataclass then checks its own
+values."""
 
 from __future__ import annotations
 
@@ -17,6 +18,16 @@ import yaml
 
 from longstraw_mcore.config.errors import ConfigError, check_choice
 from longstraw_mcore.config.run import MODEL_CONFIGS, ModelConfig, RunConfig
+from longstraw_mcore.config.sections import BATCH_TOKENS
+
+
+REMOVED = {
+    "replay.batch_branches": "replay.batch_tokens, a token budget per replay micro-step: replay.batch_tokens=0 "
+                             "is batch_branches=false (one branch per micro-step), a budget of at least G x R "
+                             "tokens is batch_branches=true (the default batches up to "
+                             f"{BATCH_TOKENS} tokens)",
+}
+"""Config keys that no longer exist: {key: what replaced it}. No alias: a config naming one is refused."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,6 +45,9 @@ def _dataclass_from_dict(cls, data: dict, where: str):
     unknown = sorted(set(data) - set(known))
     if unknown:
         prefix = f"{where}." if where else ""
+        for k in unknown:
+            if prefix + k in REMOVED:
+                raise ConfigError(f"config key {prefix + k} was removed; use {REMOVED[prefix + k]}")
         raise ConfigError(f"unknown config key(s) {[prefix + k for k in unknown]}; valid keys under "
                           f"{where or 'the top level'}: {sorted(known)}")
     kwargs = {}

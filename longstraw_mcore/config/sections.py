@@ -9,6 +9,21 @@ from typing import Literal
 from longstraw_mcore.config.errors import ConfigError, check_choices, check_ints
 
 
+BATCH_TOKENS = 8192
+"""replay.batch_tokens' default. Batching is the fast path on both devices: one short branch per
+micro-step runs small matmuls and pays the per-step work once per branch. Measured warm with
+`tools/bench_replay.py --vs-transformers` (2-core CPU, configs/bench-hybrid-256.yaml, float32, P=1,024):
+R=128, G=8, detached 1.46 s one branch per micro-step against 0.98 s at 8,192 (one micro-step;
+transformers' cache path 1.49 s); R=256, G=16, detached's replay 3.5-4.6 s one per micro-step against
+3.0-3.2 s at 512, 1,024, 2,048 and 4,096 tokens (2 to 16 branches per micro-step), exact's 4.4 s against
+3.6 / 3.2 / 3.1 / 3.0 s: on the CPU the gain comes from the first few branches per step and a larger
+budget costs only memory (JSON: bench_results/cpu_batch_tokens_20261205/). On an H200 (bf16, P=16K,
+R=1K, G=8: the README's GPU run) all 8 branches in one micro-step, 8,192 tokens, halved detached
+(1.5 s -> 0.7 s). Memory: a micro-step's activations are one branch's of its tokens, so 8,192 bounds
+them at what the published R = 8,192 points already plan for one branch; the 27B configs that are
+memory-tight at R = 1,024 set 1,024 (their files say so)."""
+
+
 @dataclass(kw_only=True)
 class ReplayConfig:
     """Branch replay (ARCHITECTURE.md sections 1-2)."""
@@ -19,8 +34,13 @@ class ReplayConfig:
     """Capture chunk length (tokens); peak capture activations are one chunk."""
     logprob_chunk: int = 1024
     """Tokens per vocab-parallel log-softmax chunk."""
-    batch_branches: bool = False
-    """Replay all branches of a group as one right-padded batch instead of one at a time."""
+    batch_tokens: int = BATCH_TOKENS
+    """Token budget of a replay micro-step: a group's branches (flat, or the tails below one prefix-tree
+    node), consecutive in replay order, share a micro-step while its right-padded batch (branches x the
+    longest one's tokens) stays within this many tokens; a longer branch runs alone; 0: one branch per
+    micro-step (replay/plan.py `micro_steps`; the planner counts the same steps). Replay activations
+    grow with the micro-step's tokens, so this bounds them, as one branch of that length would. See
+    BATCH_TOKENS for the default's measurements."""
     attn_probs_budget_mib: float = 0.0
     """A replayed branch keeps its attention probabilities over the prompt for the backward (no score
     recompute: the FLOP minimum) when they fit in this many MiB per rank, summed over this rank's
@@ -47,6 +67,8 @@ class ReplayConfig:
     def __post_init__(self):
         check_choices(self, "replay")
         check_ints(self, "replay", ("reuse_steps",))
+        check_ints(self, "replay", ("batch_tokens",), low=0,
+                   words="an integer >= 0 (tokens per replay micro-step; 0 = one branch per micro-step)")
         if not (isinstance(self.progress_every_s, (int, float)) and self.progress_every_s >= 0):
             raise ConfigError(f"replay.progress_every_s={self.progress_every_s!r}: must be a number of seconds >= 0")
         if not self.keep_prompt_graph_mib >= 0:

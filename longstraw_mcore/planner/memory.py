@@ -33,9 +33,9 @@ stage and TP rank):
     prompt_state_grad exact mode: the state gradient accumulators (analytic_grad_bytes); with
                      memory.state_offload the position-sized kinds' on the host (GDN's stay)
     activations      the worst phase of the step (phase_bytes, planner/activations.py: derived from
-                     the code op by op): a branch's saved tensors through the stage's layers plus the
-                     log-prob chunk's logits and the output layer's weight gradient; or (exact) one
-                     capture chunk's saved tensors in the prompt backward; or the capture's worst
+                     the code op by op): a replay micro-step's saved tensors through the stage's layers
+                     plus the log-prob chunk's logits and the output layer's weight gradient; or (exact)
+                     one capture chunk's saved tensors in the prompt backward; or the capture's worst
                      layer moment, per attention kernel. With plain `.grad` tensors (grads="plain", as
                      tools/bench_replay.py runs) the gradients and state gradients do not exist yet
                      while the prompt is captured: the capture is set against the other phases without
@@ -65,6 +65,8 @@ import math
 from longstraw_mcore.config import ConfigError
 from longstraw_mcore.planner.activations import _elem
 from longstraw_mcore.planner.memo import kept
+from longstraw_mcore.planner.timing import in_flight
+from longstraw_mcore.replay.plan import even_micro_steps
 
 SLACK = 0.05
 NCCL_BYTES = 256 * 2**20
@@ -197,7 +199,7 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
       capture          one layer's worst moment for a chunk (no autograd): the kind's capture_bytes,
                        counted per attention kernel (Qwen's), else its intermediates (an upper bound)
                        or, where larger, its scores' moment (scratch_bytes: the DSA indexer's)
-      replay           every layer's saved tensors for R tokens (G x R with replay.batch_branches),
+      replay           every layer's saved tensors for a micro-step's T tokens (replay.batch_tokens),
                        plus the larger of one layer's backward (the twin: its saved tensors' worth,
                        score blocks included; flash: the kinds' backward_scratch) and, on the last
                        stage, the log-prob chunk's worst moment: while it is recomputed the logits,
@@ -217,9 +219,10 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
                        kind's scratch_bytes, as in capture: the DSA indexer runs again) and its
                        backward's (recomputed saved tensors and backward_scratch)
     Under pipeline parallelism the replay and the sweep run as one 1F1B schedule whose micro-batches
-    are the replay passes (G branches, or one batch) and, in exact mode, the chunks: stage s holds
-    min(pp - s, micro-batches) of them in flight (replay/pipeline.py), so what each keeps for its
-    backward (its saved tensors, or with recompute its layers' inputs) counts that many times.
+    are the replay micro-steps (replay/plan.py) and, in exact mode, the chunks: stage s holds
+    min(pp - s, micro-batches) of them in flight (replay/pipeline.py; planner/timing.py `in_flight`), so
+    what each keeps for its backward (its saved tensors, or with recompute its layers' inputs) counts that
+    many times.
     Every phase adds, with state staging (memory.state_offload or state_dtype=fp8), the largest layer's
     position-sized state in the model dtype (planner/state.py staging_bytes); memory.mla_query_block
     shrinks GLM's per-query top-k terms (planner/activations.py mla_bytes).
@@ -275,7 +278,7 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
         return scratch(chunk, i) if counted else max(one(chunk, 0, i), scratch(chunk, i))
 
     out = {"capture": max(capture(i) for i in stage)}
-    T = R * (G if rc.batch_branches else 1)
+    T = R * even_micro_steps(R, G, rc.batch_tokens)[1]  # the widest micro-step: its branches x R
     if recompute:  # one layer's backward: its recomputed saved tensors and its backward's scratch
         top = max(one(T, T, i) + backward_scratch(T, i, max(rows(i), T)) for i in stage)
     elif attention != "plain":  # flash: one layer's backward, what it makes beside its saved tensors
@@ -283,7 +286,7 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     else:  # (the twin's: its score blocks, as one layer's saved tensors' worth)
         top = widest(T, T)
     if last_stage:
-        c = min(rc.logprob_chunk, R) * (G if rc.batch_branches else 1)
+        c = min(rc.logprob_chunk, R) * (T // R)
         vocab = m.padded_vocab_size(p.tp) // p.tp
         # recompute: logits, their work-dtype copy (none when the model is already in it), the shifted
         # values and their exp; backward: the logits' gradient and the output layer's weight gradient
@@ -300,7 +303,7 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
                    lambda: largest_projection(sites_of(family, m), p.tp, p.ep, stage)) * e
         top += deq
         out["capture"] += deq
-    flight = in_flight(cfg, P, G, stage)
+    flight = in_flight(cfg, P, R, G, stage)
     out["replay"] = flight * (inputs(T) if recompute else saved(T, T)) + top + one_grad
     if not exact:
         out["prompt_backward"] = 0
@@ -323,20 +326,6 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     for ph in ("capture", "replay") + (("prompt_backward",) if exact else ()):
         out[ph] += staging
     return out
-
-
-def in_flight(cfg, P: int, G: int, stage: range) -> int:
-    """Micro-batches the pipeline stage holding `stage` keeps for their backward at once under 1F1B:
-    min(pp - s, passes + exact chunks); 1 without pipeline parallelism."""
-    p, rc = cfg.parallel, cfg.replay
-    if p.pp == 1:
-        return 1
-    starts = [0]
-    for n in p.stage_layers(cfg.model.num_layers)[:-1]:
-        starts.append(starts[-1] + n)
-    s = starts.index(stage.start)
-    micro = (1 if rc.batch_branches else G) + (-(-(P - 1) // rc.chunk_len) if rc.mode == "exact" else 0)
-    return min(p.pp - s, micro)
 
 
 def _check_inputs(P, R, G) -> None:

@@ -10,8 +10,9 @@ overlaps), no communication.
 Per rank, with F a phase's FLOPs on one TP rank (step_flops' algorithm count; the capture's and the
 sweep's summed over the cp ranks, so Gated DeltaNet by sequence pieces counts its wider rule and
 every rank's scan: planner/flops_hybrid.py), peak_x = the device's bf16 FLOP/s x phase x's
-efficiency, n the capture chunks, passes = G replayed branches (1 with replay.batch_branches),
-P_local = ceil((P - 1) / cp) + 1:
+efficiency, n the capture chunks, passes = the replay's micro-steps (G branches of R tokens under
+replay.batch_tokens: replay/plan.py `even_micro_steps`, the executor's grouping; a prefix tree's
+segments and its tails' micro-steps: planner/tree.py `tree_passes`), P_local = ceil((P - 1) / cp) + 1:
 
     capture          F_capture(P) / (pp cp) / peak_capture x bubble(n)
     replay           F_replay(P_local) / pp / peak_replay x bubble(passes): every CP rank replays the
@@ -50,6 +51,7 @@ from __future__ import annotations
 from longstraw_mcore.planner.activations import _elem
 from longstraw_mcore.planner.efficiency import for_run
 from longstraw_mcore.planner.memo import kept
+from longstraw_mcore.replay.plan import even_micro_steps
 
 PCIE_BYTES_PER_S = 25e9
 """Host <-> device per GPU, effective. H20 sits on PCIe Gen5 x16 (64 GB/s per direction nominal, ~50 GB/s
@@ -82,6 +84,20 @@ def bubble(k: int, pp: int) -> float:
     return (k + pp - 1) / k if k > 0 else 1.0
 
 
+def in_flight(cfg, P: int, R: int, G: int, stage: range) -> int:
+    """Micro-batches the pipeline stage holding `stage` keeps for their backward at once under 1F1B:
+    min(pp - s, passes + exact chunks); 1 without pipeline parallelism."""
+    p, rc = cfg.parallel, cfg.replay
+    if p.pp == 1:
+        return 1
+    starts = [0]
+    for n in p.stage_layers(cfg.model.num_layers)[:-1]:
+        starts.append(starts[-1] + n)
+    s = starts.index(stage.start)
+    micro = even_micro_steps(R, G, rc.batch_tokens)[0] + (-(-(P - 1) // rc.chunk_len) if rc.mode == "exact" else 0)
+    return min(p.pp - s, micro)
+
+
 def phase_flops(family, cfg, P: int, R: int, G: int, pieces=None) -> dict:
     """{phase: FLOPs per rank}: capture, replay, prompt_backward (exact mode) and, with
     memory.recompute=layer, recompute (the second forward); `pieces`: a prefix tree's (tokens, depth)
@@ -99,12 +115,11 @@ def phase_flops(family, cfg, P: int, R: int, G: int, pieces=None) -> dict:
     return out
 
 
-def transfer_bytes(cfg, P: int, G: int, host: dict) -> dict:
+def transfer_bytes(cfg, P: int, passes: int, host: dict) -> dict:
     """{phase: host <-> device bytes per rank} of memory.state_offload (the module docstring's terms)."""
     if not cfg.memory.state_offload:
         return {}
     n = -(-(P - 1) // cfg.replay.chunk_len)
-    passes = 1 if cfg.replay.batch_branches else G
     S, Sg = host["prompt_state"], host["prompt_state_grad"]
     out = {"capture": (n + 1) / 2 * S, "replay": passes * (2 * S + Sg)}
     if cfg.replay.mode == "exact":
@@ -130,17 +145,21 @@ def optimizer_offload_seconds(cfg, host: dict) -> float:
 
 
 def plan_time(family, cfg, P: int, R: int, G: int, world_size: int, dev, efficiency: float | None,
-              host: dict, pieces=None) -> dict:
+              host: dict, pieces=None, passes: int | None = None) -> dict:
     """{"flops": {phase: per rank}, "seconds": {term: s, ..., "total": s}, "seconds_per_group": s,
     "efficiency": {phase: its Figure as JSON}, "efficiency_measured_on": s, "efficiency_notes": [...]}
     of one group step (`dev`: a DeviceProfile; `efficiency`: None for the device table's per-phase
-    figures, or one fraction for every phase; `host`: plan_host's components; `pieces`: a prefix
-    tree's, planner/tree.py)."""
+    figures, or one fraction for every phase; `host`: plan_host's components; `pieces` and `passes`: a
+    prefix tree's pieces and replay micro-steps, planner/tree.py; by default the flat group's,
+    replay/plan.py `even_micro_steps`)."""
     p = cfg.parallel
     eff = for_run(cfg, dev.name, efficiency)
     used = eff.phases()
     n = -(-(P - 1) // cfg.replay.chunk_len)
-    passes = 1 if cfg.replay.batch_branches else (G if pieces is None else len(pieces))
+    if passes is None:
+        if pieces is not None:
+            raise ValueError("plan_time(pieces=...): also give the tree's passes (planner/tree.py tree_passes)")
+        passes = even_micro_steps(R, G, cfg.replay.batch_tokens)[0]
     flops = phase_flops(family, cfg, P, R, G, pieces)
     peak = {k: dev.bf16_flops * used[k].value for k in flops}
     seconds = {"capture": flops["capture"] / peak["capture"] * bubble(n, p.pp),
@@ -151,7 +170,7 @@ def plan_time(family, cfg, P: int, R: int, G: int, world_size: int, dev, efficie
         sweep = flops["capture"] if "prompt_backward" in flops else 0.0
         seconds["recompute"] = (((flops["recompute"] - sweep) * bubble(passes, p.pp) + sweep * bubble(n, p.pp))
                                 / peak["recompute"])
-    moved = transfer_bytes(cfg, P, G, host)
+    moved = transfer_bytes(cfg, P, passes, host)
     if moved:
         seconds["state_transfer"] = sum(moved.values()) / PCIE_BYTES_PER_S
     if cfg.memory.grad_offload:

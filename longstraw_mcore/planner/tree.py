@@ -36,6 +36,19 @@ def tree_pieces(widths, lengths) -> list:
     return out
 
 
+def tree_passes(widths, lengths, budget: int) -> int:
+    """The replay micro-steps of the tree (the time model's passes): one per segment, and each node's
+    widths[-1] tails of lengths[-1] tokens in micro-steps under the token budget, as replay/tree.py
+    `tree_steps` cuts them (replay/plan.py `micro_steps`)."""
+    from longstraw_mcore.replay.plan import micro_steps
+
+    parents = 1
+    for w in widths[:-1]:
+        parents *= w
+    segments = sum(1 for n, _, seg in tree_pieces(widths, lengths) if seg)
+    return segments + parents * len(micro_steps([lengths[-1]] * widths[-1], budget))
+
+
 def path_state_bytes(family, cfg, lengths, layer_types) -> int:
     """What the live path's segments add to a branch's replay on one rank: their state (as the prompt
     state's per-position and per-layer terms, for the stage's `layer_types`; replicated over CP), as

@@ -51,20 +51,31 @@ def execute(model, plan: list[Step], g: GroupInputs, state: PromptState | None =
     return run(model, with_transitions(plan, state_grad), g, state, layout)
 
 
+def _lengths(responses: list[list[int]]) -> list[int]:
+    return [len(r) for r in responses]
+
+
+def _ep_group(model):
+    ep = getattr(core_of(model).pg_collection, "ep", None)
+    return ep if ep is not None and ep.size() > 1 else None
+
+
 def _tree(model, responses: list[list[int]], cfg: ReplayConfig):
     """The group's prefix tree when it replays as one (replay.prefix_tree, responses sharing tokens),
     else None. Expert parallelism: the EP ranks' MoE all-to-alls need the same steps, so where the
-    ranks' groups (data parallel) would replay trees of different shapes, all of them replay flat (the
-    same numbers); an all_gather_object over the EP group decides, on every EP rank alike."""
+    ranks' groups (data parallel) would replay trees of different shapes or micro-steps, all of them
+    replay flat (the same numbers); an all_gather_object over the EP group decides, on every EP rank
+    alike."""
     if not cfg.prefix_tree:
         return None
     root = build_tree(responses) if len(responses) >= 2 else None
     root = root if root is not None and shares(root) else None
-    ep = getattr(core_of(model).pg_collection, "ep", None)
-    if ep is not None and ep.size() > 1:
+    ep = _ep_group(model)
+    if ep is not None:
         import torch.distributed as dist
 
-        mine = None if root is None else [(s.phase, len(s.branches)) for s in tree_steps(root, cfg.batch_branches)]
+        mine = None if root is None else [(s.phase, len(s.branches))
+                                          for s in tree_steps(root, _lengths(responses), cfg.batch_tokens)]
         every = [None] * ep.size()
         dist.all_gather_object(every, mine, group=ep)
         if any(e != mine for e in every):
@@ -72,13 +83,32 @@ def _tree(model, responses: list[list[int]], cfg: ReplayConfig):
     return root
 
 
+def _flat_lengths(model, responses: list[list[int]], cfg: ReplayConfig) -> list[int]:
+    """The lengths a flat group's micro-steps are cut by: its own, or under expert parallelism (EP
+    ranks in lockstep, replay/steps.py `same_schedule_over_ep`) the largest of each branch's length
+    over the EP group's groups when they have as many branches, so that every EP rank cuts the same
+    micro-steps (a rank's own padded batch is then no larger than the budget)."""
+    mine = _lengths(responses)
+    ep = _ep_group(model)
+    if ep is None or cfg.batch_tokens == 0:
+        return mine
+    import torch.distributed as dist
+
+    every = [None] * ep.size()
+    dist.all_gather_object(every, mine, group=ep)
+    if any(len(e) != len(mine) for e in every):
+        return mine  # (same_schedule_over_ep refuses the plan, naming the difference)
+    return [max(col) for col in zip(*every)]
+
+
 def group_replay_steps(model, responses: list[list[int]], cfg: ReplayConfig, order: list[int] | None = None):
-    """A group's replay steps: its prefix tree's (replay/tree.py) where responses share tokens, or one
-    per branch (in `order`, or batched)."""
+    """A group's replay steps: its prefix tree's (replay/tree.py) where responses share tokens, or its
+    branches (in `order`, or as given) in micro-steps under replay.batch_tokens."""
     root = _tree(model, responses, cfg) if order is None else None
     if root is not None:
-        return tree_steps(root, cfg.batch_branches)
-    return replay_steps(list(range(len(responses))) if order is None else order, cfg.batch_branches)
+        return tree_steps(root, _lengths(responses), cfg.batch_tokens)
+    return replay_steps(list(range(len(responses))) if order is None else order,
+                        _flat_lengths(model, responses, cfg), cfg.batch_tokens)
 
 
 def replayed_tokens(model, responses: list[list[int]], cfg: ReplayConfig) -> int:
@@ -120,12 +150,12 @@ def make_leaves(state: PromptState) -> PromptState:
 
 def replay_branches(model, state: PromptState, prompt_last: int, responses: list[list[int]], order: list[int],
                     loss_fn: BranchLoss | None, cfg: ReplayConfig, leaves=None) -> list[BranchResult]:
-    """Replay branches (one at a time, or batched) and back-propagate each branch's loss term against
+    """Replay branches (in micro-steps under replay.batch_tokens) and back-propagate each branch's loss term against
     `state` (with its gradient accumulating if `make_leaves` was called on it). `loss_fn(b, logp [R_b])`
     returns (scalar, stats); None scores without autograd."""
     assert leaves is None or leaves is state, "pass the state that make_leaves() returned"
     g = GroupInputs(torch.zeros(1, state.length, dtype=torch.long), prompt_last, responses, loss_fn, cfg)
-    results = execute(model, replay_steps(order, cfg.batch_branches), g, state)[0]
+    results = execute(model, replay_steps(order, _lengths(responses), cfg.batch_tokens), g, state)[0]
     return [results[b] for b in sorted(results)]
 
 
@@ -154,7 +184,7 @@ def run_group(model, prompt: list[int], responses: list[list[int]], loss_fn: Bra
     if prompt_is_frozen(model) and cfg.mode == "exact":
         cfg = dataclasses.replace(cfg, mode="detached")
     mode = cfg.mode
-    plan = plan_group(len(prompt) - 1, cfg.chunk_len, [], mode, cfg.batch_branches, replay)
+    plan = plan_group(len(prompt) - 1, cfg.chunk_len, replay, mode)
     results, state, seconds = execute(model, plan, _group(model, prompt, responses, loss_fn, cfg, watch),
                                       state_grad=mode == "exact" and loss_fn is not None)
     seconds.setdefault("capture", 0.0)

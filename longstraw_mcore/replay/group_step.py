@@ -94,7 +94,7 @@ def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConf
             group = replace(group, ref_logprobs=[lp.tolist() for lp in ref_lps])
         fn = group_loss_fn(group, gcfg, adv)
         loss = None
-    replay = group_replay_steps(model, group.responses, rcfg)  # (under EP: one collective decides the tree)
+    replay = group_replay_steps(model, group.responses, rcfg)  # (under EP: collectives decide tree and micro-steps)
     if watch is not None:
         watch.label = f"group {index} "
     results, state, seconds = run_group(model, group.prompt, group.responses, _scaled(fn, scale), rcfg, timed=True,

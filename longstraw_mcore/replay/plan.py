@@ -9,12 +9,18 @@ three branches and exact mode:
     0     capture          0      [0, 4)
     1     capture          1      [4, 8)
     2     capture          2      [8, 9)
-    3     replay           0              (0,)       one micro-step per branch (or one with every
-    4     replay           1              (1,)       branch when batched); each backward frees its
-    5     replay           2              (2,)       graph before the next
+    3     replay           0              (0,)       micro-steps of the branches (here one branch
+    4     replay           1              (1,)       each: replay.batch_tokens=0); each backward
+    5     replay           2              (2,)       frees its graph before the next
     6     prompt_backward  2      [8, 9)             exact mode only: chunks from last to first,
     7     prompt_backward  1      [4, 8)             each recomputed with autograd and seeded with
     8     prompt_backward  0      [0, 4)             the state gradient accumulated so far
+
+Replay micro-steps (`micro_steps`): the branches, in replay order, are cut into consecutive runs, each
+as long as its right-padded batch (branches x the longest one's tokens) fits `replay.batch_tokens`; a
+branch longer than the budget runs alone, and a budget of 0 gives one branch per micro-step. With
+branches of 5, 1, 9, 3 tokens and a budget of 12: (0, 1) [2 x 5 = 10], (2,) [9; 2 x 9 > 12], (3,).
+The planner counts the same micro-steps (planner/memory.py, planner/timing.py).
 
 With shared response prefixes the replay steps are a prefix tree's (replay/tree.py: `segment`,
 `replay` from a depth, `segment_backward`, depth first); the rest of the plan is unchanged.
@@ -59,22 +65,53 @@ def chunk_spans(captured: int, chunk_len: int) -> list[tuple[int, int]]:
     return [(s, min(captured, s + chunk_len)) for s in range(0, captured, chunk_len)]
 
 
-def replay_steps(order: Sequence[int], batched: bool) -> list[Step]:
-    if batched:
-        return [Step("replay", 0, branches=tuple(order))] if order else []
-    return [Step("replay", i, branches=(b,)) for i, b in enumerate(order)]
+def micro_steps(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """The replay micro-steps of branches of `lengths` tokens (in replay order) under a token budget:
+    consecutive [start, stop) index ranges, each taking branches while its right-padded batch,
+    (stop - start) x max(lengths[start:stop]), stays <= `budget`; a branch longer than the budget
+    alone; `budget` 0: one branch each. Greedy in order, so the grouping is a plain function of the
+    lengths (the executor's and the planner's)."""
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+        raise ValueError(f"budget={budget!r}: must be an integer >= 0 (tokens; 0 = one branch per micro-step)")
+    if any(n < 1 for n in lengths):
+        raise ValueError(f"lengths={list(lengths)}: every branch replays at least one token")
+    out: list[tuple[int, int]] = []
+    start, widest = 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (i + 1 - start) * max(widest, n) > budget:
+            out.append((start, i))
+            start, widest = i, 0
+        widest = max(widest, n)
+    if len(lengths):
+        out.append((start, len(lengths)))
+    return out
 
 
-def plan_group(captured: int, chunk_len: int, order: Sequence[int], mode: str, batched: bool,
-               replay: Sequence[Step] | None = None) -> list[Step]:
-    """Capture `captured` prompt positions in chunks, replay the branches in `order` (or the given
-    `replay` steps: a prefix tree's, replay/tree.py), and in exact mode sweep the chunks back from last
-    to first."""
+def even_micro_steps(tokens: int, branches: int, budget: int) -> tuple[int, int]:
+    """(micro-steps, branches in the widest) of `branches` branches of `tokens` each under `budget`:
+    `micro_steps` of equal lengths, the planner's case (planner/memory.py, planner/timing.py)."""
+    runs = micro_steps([tokens] * branches, budget)
+    return len(runs), max((b - a for a, b in runs), default=0)
+
+
+def replay_steps(order: Sequence[int], lengths: Sequence[int], budget: int, first: int = 0,
+                 depth: int = 0) -> list[Step]:
+    """The replay micro-steps of the branches in `order` (`lengths[b]`: branch b's response tokens; a
+    step from `depth` replays lengths[b] - depth of them), grouped by `micro_steps` under `budget`;
+    indices count from `first`."""
+    runs = micro_steps([lengths[b] - depth for b in order], budget)
+    span = (depth, 0)
+    return [Step("replay", first + i, span, tuple(order[a:b])) for i, (a, b) in enumerate(runs)]
+
+
+def plan_group(captured: int, chunk_len: int, replay: Sequence[Step], mode: str) -> list[Step]:
+    """Capture `captured` prompt positions in chunks, run the `replay` steps (`replay_steps`, or a
+    prefix tree's: replay/tree.py), and in exact mode sweep the chunks back from last to first."""
     if mode not in ("detached", "exact"):
         raise ValueError(f"mode={mode!r}: must be 'detached' or 'exact'")
     spans = chunk_spans(captured, chunk_len)
     steps = [Step("capture", c, span) for c, span in enumerate(spans)]
-    steps += list(replay) if replay is not None else replay_steps(order, batched)
+    steps += list(replay)
     if mode == "exact":
         steps += [Step("prompt_backward", c, spans[c]) for c in reversed(range(len(spans)))]
     return steps

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from longstraw_mcore.replay.plan import Step
+from longstraw_mcore.replay.plan import Step, replay_steps
 
 
 @dataclass
@@ -96,11 +96,12 @@ def tree_pieces(root: Node, responses: list[list[int]], path: tuple[int, ...] = 
     return out
 
 
-def tree_steps(root: Node, batched: bool) -> list[Step]:
+def tree_steps(root: Node, lengths: list[int], budget: int) -> list[Step]:
     """The depth-first replay steps of the tree: `segment` (index: the step's node number, span: its
     depth range, branches: its members), `replay` (span: (depth the tails start at, 0), branches: the
-    tails, one per step or batched), `segment_backward` (the node's number and span, branches: the
-    responses ending at it, whose loss terms are complete there)."""
+    tails, grouped into micro-steps under the token budget `budget` by the tokens each replays below
+    that depth, `lengths[b]` - depth: replay/plan.py `micro_steps`), `segment_backward` (the node's
+    number and span, branches: the responses ending at it, whose loss terms are complete there)."""
     steps: list[Step] = []
     counter = [0]
 
@@ -112,11 +113,7 @@ def tree_steps(root: Node, batched: bool) -> list[Step]:
             steps.append(Step("segment", n, child.depth, tuple(child.members)))
             visit(child, n)
             steps.append(Step("segment_backward", n, child.depth, tuple(child.ends)))
-        tails = sorted(node.tails)
-        if batched and tails:
-            steps.append(Step("replay", len(steps), (d, 0), tuple(tails)))
-        else:
-            steps.extend(Step("replay", len(steps) + i, (d, 0), (b,)) for i, b in enumerate(tails))
+        steps.extend(replay_steps(sorted(node.tails), lengths, budget, first=len(steps), depth=d))
 
     visit(root, 0)
     return steps

@@ -8,8 +8,10 @@ after every branch and every later chunk has deposited into it on that stage.
 
 Checked, against the same groups on one rank, through Megatron DDP + finalize_model_grads: per-group
 loss, per-token log-probs and every parameter gradient (gathered) <= 1e-10 relative, both modes, a
-G=1 group and a G=8 group with unequal branch lengths (1 to 8), capture chunks of 7 (the last one
-short); scoring without autograd (forward-only schedules) gives the same log-probs. The 4-layer model alternates Gated DeltaNet and attention: PP=2 gives each stage both
+G=1 group and a G=8 group with unequal branch lengths (1 to 8) in replay micro-steps of 3, 4 and 1
+branches (replay.batch_tokens=24: micro-batches of different sizes through the 1F1B schedule; one
+rank's result does not depend on the budget, tests/replay/test_replay_equivalence.py), capture chunks
+of 7 (the last one short); scoring without autograd (forward-only schedules) gives the same log-probs. The 4-layer model alternates Gated DeltaNet and attention: PP=2 gives each stage both
 kinds, PP=4 and the uneven split pp_layers=[1, 3] give stages with one kind only. Layouts: PP=2
 (2 ranks); PP=4, pp_layers=[1,3] x DP=2, TP=2 x PP=2, PP=2 x CP=2 (4 ranks); TP=2 x PP=2 x CP=2
 (8 ranks); at PP=2 x CP=2 also exact mode with gradients reduce-scattered into DP x CP shards after
@@ -40,6 +42,10 @@ def _groups(m):
     from test_replay_equivalence import make_group
 
     return [make_group(m, 27, [5], seed=71), make_group(m, 31, [3, 1, 7, 2, 6, 1, 4, 8], seed=72)]
+
+
+BUDGET = 24
+"""replay.batch_tokens: the G=8 group's branches of 3, 1, 7, 2, 6, 1, 4, 8 tokens in micro-steps of 3, 4, 1."""
 
 
 def _setup(m, full, tp, pp, cp, pp_layers=None):
@@ -75,8 +81,8 @@ def _steps(m, full, groups, layout, zero2=False):
         mine = {}
         for i in range(n):
             if i % par.dp == dp_rank:
-                st = process_group(ddp, groups[i], ReplayConfig(mode=mode, chunk_len=7), GRPOConfig(beta=0.05),
-                                   scale=par.dp / n)
+                st = process_group(ddp, groups[i], ReplayConfig(mode=mode, chunk_len=7, batch_tokens=BUDGET),
+                                   GRPOConfig(beta=0.05), scale=par.dp / n)
                 mine[i] = (st.loss, st.logprobs)
         finalize_model_grads([ddp], pg_collection=par.pgs)
         every = [None] * dist.get_world_size()
@@ -90,7 +96,7 @@ def _steps(m, full, groups, layout, zero2=False):
 
     # scoring without autograd (DPO's policy and reference log-probs): forward-only schedules
     out["scores"] = [lp.tolist() for lp in score_group(ddp, groups[1].prompt, groups[1].responses,
-                                                       ReplayConfig(chunk_len=7))[0]]
+                                                       ReplayConfig(chunk_len=7, batch_tokens=BUDGET))[0]]
     return out
 
 
@@ -113,8 +119,8 @@ def _sharded(m, full, par, groups):
     mine = {}
     for i in range(n):
         if i % par.dp == dp_rank:
-            st = process_group(grads, groups[i], ReplayConfig(mode="exact", chunk_len=7), GRPOConfig(beta=0.05),
-                               scale=par.dp / n)
+            st = process_group(grads, groups[i], ReplayConfig(mode="exact", chunk_len=7, batch_tokens=BUDGET),
+                               GRPOConfig(beta=0.05), scale=par.dp / n)
             mine[i] = (st.loss, st.logprobs)
             held += sum(p.grad is not None for p in model.parameters())
     grads.finish()

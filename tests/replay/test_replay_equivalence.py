@@ -7,8 +7,10 @@ detached == Hugging Face `transformers` run on prompt[:-1] under no_grad returni
            each branch with autograd using a copy of that cache (the prompt state is a constant there
            by construction): per-token log-probs and gradients, mapped through the conversion table.
 Rollout loss masks: exact replay of a masked group equals its full sequences, with every log-prob reported.
-Invariances: branch order, capture chunk size, one branch at a time vs all branches batched,
-attention probabilities recomputed vs stored (`replay.attn_probs_budget_mib`).
+Invariances: branch order, capture chunk size, one branch at a time (replay.batch_tokens=0) vs all
+branches batched and vs a token budget that cuts the group into 2-3 micro-steps of different sizes
+(branches of different lengths, right-padded within each), attention probabilities recomputed vs
+stored (`replay.attn_probs_budget_mib`).
 The objective exercises every term: off-policy old log-probs (so clipping is active), k3 KL to
 reference log-probs, token-mean aggregation; G=1 has zero advantage and keeps only the KL term.
 Not covered here: TP (tests/replay/test_replay_tp.py), pipeline parallelism (replay runs at PP=1).
@@ -65,7 +67,7 @@ def _worker(rank, world_size):
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.prompt_state.containers import analytic_state_bytes
     from longstraw_mcore.families import get_family
-    from longstraw_mcore.replay.engine import ReplayConfig, capture, run_group
+    from longstraw_mcore.replay.engine import ReplayConfig, capture, group_replay_steps, run_group
     from longstraw_mcore.replay.reference import full_sequence_branches
 
     m = tiny_model_config()
@@ -80,13 +82,16 @@ def _worker(rank, world_size):
     recomputes, recompute = [], steps.recompute_chunk
     steps.recompute_chunk = lambda *a, **k: (recomputes.append(1), recompute(*a, **k))[1]
 
+    # "split": a budget that cuts each larger group into micro-steps of different sizes: [5, 1, 9] at 10
+    # tokens -> (5 1) (9); [3, 1, 7, 2, 6, 1, 4, 8] at 24 -> (3 1 7) (2 6 1 4) (8); [4, 2, 1] -> (4 2) (1)
+    split = {3: 10, 8: 24}
     for P, lengths, seed in [(23, [1], 1), (23, [5, 1, 9], 2), (17, [3, 1, 7, 2, 6, 1, 4, 8], 3), (1, [4, 2, 1], 4)]:
         group = make_group(m, P, lengths, seed)
         ref_loss, ref_lp, ref_g = grads_and_loss(model, group, gcfg, lambda fn: full_sequence_branches(
             model, group.prompt, group.responses, fn))
         for chunk in sorted({5, max(P - 1, 1)}):
             for mode in ("exact", "detached"):
-                cfg = ReplayConfig(mode=mode, chunk_len=chunk)
+                cfg = ReplayConfig(mode=mode, chunk_len=chunk, batch_tokens=0)  # one branch at a time
                 loss, lp, g = grads_and_loss(model, group, gcfg, lambda fn: [
                     r.logprobs for r in run_group(model, group.prompt, group.responses, fn, cfg)[0]])
                 if mode == "exact":
@@ -98,15 +103,18 @@ def _worker(rank, world_size):
                     num = sum(float((g[k] * ref_g[k]).sum()) for k in g)
                     den = (sum(float((g[k] ** 2).sum()) for k in g) * sum(float((ref_g[k] ** 2).sum()) for k in g)) ** 0.5
                     out.setdefault("cosine", []).append((P, len(lengths), num / den))
-                # invariances on the larger groups: reversed branch order, batched branches, attention
-                # probabilities stored in forward instead of recomputed in backward (one at a time, batched)
+                # invariances on the larger groups: reversed branch order, batched branches (all in one
+                # micro-step, or split by the budget), attention probabilities stored in forward instead of
+                # recomputed in backward (one at a time, batched)
                 # exact mode: the capture chunks' graphs kept for the sweep instead of recomputed, all of them
                 # or the last ones within a budget (replay.keep_prompt_graph_mib; the recomputes counted)
                 kept_variants = ("kept", "kept-partial", "batched+kept") if mode == "exact" and P > 1 else ()
                 if len(lengths) >= 3 or kept_variants:
-                    for variant in (("reversed", "batched", "stored", "batched+stored") if len(lengths) >= 3 else ()) + kept_variants:
+                    for variant in (("reversed", "batched", "split", "stored", "batched+stored")
+                                    if len(lengths) >= 3 else ()) + kept_variants:
                         keep = {"kept": 64.0, "batched+kept": 64.0, "kept-partial": 0.3}.get(variant, 0.0)
-                        vcfg = ReplayConfig(mode=mode, chunk_len=chunk, batch_branches="batched" in variant,
+                        budget = 1 << 20 if "batched" in variant else split[len(lengths)] if "split" in variant else 0
+                        vcfg = ReplayConfig(mode=mode, chunk_len=chunk, batch_tokens=budget,
                                             attn_probs_budget_mib=64.0 if "stored" in variant else 0.0,
                                             keep_prompt_graph_mib=keep)
                         order = list(reversed(range(len(lengths)))) if variant == "reversed" else None
@@ -114,15 +122,16 @@ def _worker(rank, world_size):
                         l2, lp2, g2 = grads_and_loss(model, group, gcfg, lambda fn: [
                             r.logprobs for r in run_group(model, group.prompt, group.responses, fn, vcfg,
                                                           order=order)[0]])
+                        steps = [len(st.branches) for st in group_replay_steps(model, group.responses, vcfg, order)]
                         out["invariance"].append(dict(P=P, mode=mode, chunk=chunk, variant=variant,
                                                       grad=max(rel(g2[k], g[k]) for k in g),
                                                       logp=max(rel(a, b) for a, b in zip(lp2, lp)),
                                                       loss=abs(l2 - loss) / abs(loss), recomputed=len(recomputes),
-                                                      chunks=-(-(P - 1) // chunk)))
+                                                      chunks=-(-(P - 1) // chunk), steps=steps))
         # chunk-size invariance within each mode
         for mode in ("exact", "detached"):
             gs = [grads_and_loss(model, group, gcfg, lambda fn: [r.logprobs for r in run_group(
-                model, group.prompt, group.responses, fn, ReplayConfig(mode=mode, chunk_len=c))[0]])[2]
+                model, group.prompt, group.responses, fn, ReplayConfig(mode=mode, chunk_len=c, batch_tokens=0))[0]])[2]
                 for c in (3, 64)]
             out["invariance"].append(dict(P=P, mode=mode, chunk="3 vs 64", variant="chunk",
                                           grad=max(rel(gs[0][k], gs[1][k]) for k in gs[1]), logp=0.0, loss=0.0))
@@ -156,7 +165,8 @@ def test_exact_equals_full_sequence_and_invariances():
               f"logp {r['logp']:.1e}, worst grad {r['grad']:.1e} ({r['worst']})")
     for r in out["invariance"]:
         print(f"invariance {r['variant']:>14} {r['mode']:>8} P={r['P']} chunk={r['chunk']}: grad {r['grad']:.1e}, "
-              f"logp {r['logp']:.1e}, loss {r['loss']:.1e}")
+              f"logp {r['logp']:.1e}, loss {r['loss']:.1e}"
+              + (f", branches per micro-step {r['steps']}" if "steps" in r else ""))
     for P, G, cos in out["cosine"]:
         print(f"cosine(detached, exact) P={P} G={G}: {cos:.6f}")
     assert len(out["exact"]) >= 8
@@ -164,6 +174,14 @@ def test_exact_equals_full_sequence_and_invariances():
         assert r["loss"] <= 1e-10 and r["logp"] <= 1e-10 and r["grad"] <= 1e-10, r
     for r in out["invariance"]:
         assert r["grad"] <= 1e-10 and r["logp"] <= 1e-10 and r["loss"] <= 1e-10, r
+    # the variants ran the micro-steps they name: one per branch, all in one, or 2-3 of different sizes
+    for r in out["invariance"]:
+        if "steps" in r:
+            n = sum(r["steps"])
+            want = ([n] if "batched" in r["variant"] else {3: [2, 1], 8: [3, 4, 1]}[n] if "split" in r["variant"]
+                    else [1] * n)
+            assert r["steps"] == want, r
+    assert {r["mode"] for r in out["invariance"] if r["variant"] == "split"} == {"exact", "detached"}
     kept = [r for r in out["invariance"] if "kept" in r["variant"]]
     for r in kept:
         print(f"kept prompt graph {r['variant']:>13} P={r['P']} chunk={r['chunk']}: {r['recomputed']} of {r['chunks']} "

@@ -70,9 +70,12 @@ def _single_worker(rank, world_size):
         out[(config, "greedy")] = (got.responses, _greedy_reference(model, prompt, 4))
         hot = dataclasses.replace(cfg.rollout, temperature=0.8, top_p=0.9, group_size=4, max_tokens=4, seed=5)
         s = sample_group(model, prompt, hot, cfg.replay, index=2)
-        scored, _ = score_group(model, prompt, s.responses, cfg.replay)
-        out[(config, "logprobs")] = max(abs(a - float(b)) for lp, ref in zip(s.logprobs, scored)
-                                        for a, b in zip(lp, ref))
+        budgets = (cfg.replay.batch_tokens, 0, 12)  # all 4 in one micro-step, one each, 3 + 1
+        out[(config, "logprobs")] = max(
+            abs(a - float(b)) for budget in budgets
+            for lp, ref in zip(s.logprobs, score_group(model, prompt, s.responses,
+                                                       dataclasses.replace(cfg.replay, batch_tokens=budget))[0])
+            for a, b in zip(lp, ref))
         out[(config, "hot")] = s.responses
         # a tree: 2 trunks, each splitting in 2 at depths 2 and 4 (8 responses of 6 tokens)
         tree = dict(group_size=2, max_tokens=6, branch_at=[2, 4], branch_k=2)
@@ -296,7 +299,7 @@ def _cli_worker(rank, world_size, tmp):
     rc2 = main(["train", "--config", cfg, "--rollouts", out, "--steps", "1", "--metrics-out",
                 os.path.join(tmp, "m.jsonl"), *common])
     rc3 = main(["train", "--config", cfg, "--online", "--steps", "2", "--metrics-out", os.path.join(tmp, "online.jsonl"),
-                *common, "task.eval_every=2", "task.eval_prompts=2", "replay.batch_branches=true"])
+                *common, "task.eval_every=2", "task.eval_prompts=2", "replay.batch_tokens=4"])  # micro-steps of <= 4 tokens
     return rc, [(len(g.prompt), g.responses, g.rewards, g.old_logprobs) for g in groups], rc2, rc3
 
 

@@ -49,6 +49,11 @@ def test_real_27b_dimensions():
     (["train.grad_bucket_mib=-1"], "train.grad_bucket_mib=-1.0: must be a number > 0"),
     (["memory.recompute=all"], "memory.recompute='all': must be one of ['none', 'layer']"),
     (["memory.mla_query_block=-1"], "memory.mla_query_block=-1: must be an integer >= 0"),
+    # replay.batch_branches is gone, without an alias: either value names its replacement
+    (["replay.batch_branches=true"], "config key replay.batch_branches was removed; use replay.batch_tokens"),
+    (["replay.batch_branches=false"], "replay.batch_tokens=0 is batch_branches=false"),
+    (["replay.batch_tokens=-1"], "replay.batch_tokens=-1: must be an integer >= 0"),
+    (["replay.batch_tokens=true"], "replay.batch_tokens=True: must be an integer >= 0"),
 ])
 def test_bad_config_errors_name_the_value(overrides, needle):
     with pytest.raises(ConfigError) as e:

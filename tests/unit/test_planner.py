@@ -232,3 +232,46 @@ def test_plan_tree_counts_shared_segments_once():
                        ((), "give --response-len and --group-size, or --tree")]:
         rc, _, err = _plan_cli("--config", q27, "--prompt-len", "4096", "--gpus", "8", *argv)
         assert rc == 2 and want in err, (argv, err)
+
+
+def test_replay_terms_follow_the_token_budget():
+    """The planner counts the executor's micro-steps (replay/plan.py `micro_steps`): a replay micro-step
+    of G=8 branches of 128 tokens under replay.batch_tokens holds what one branch of its tokens holds
+    (8 x 128 at 1,024, 4 x 128 at 512, 128 at 0); under pipeline parallelism its passes set the
+    micro-batches in flight and the bubble; a prefix tree's passes are its segments and each node's
+    tails in micro-steps, as tree_steps cuts them."""
+    import torch
+
+    from longstraw_mcore.bench.trees import full_tree
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.planner.memory import phase_bytes
+    from longstraw_mcore.planner.timing import bubble, in_flight, plan_time
+    from longstraw_mcore.planner.tree import tree_passes
+    from longstraw_mcore.replay import tree
+    from longstraw_mcore.replay.plan import even_micro_steps
+
+    fam, P = get_family("qwen3_5"), 65_536
+
+    def replay(R, G, budget, *more):
+        cfg = _cfg("configs/qwen3.6-27b.yaml", "parallel.tp=4", f"replay.batch_tokens={budget}", *more)
+        return phase_bytes(fam, cfg, P, R, G, range(64), True)["replay"]
+
+    for budget, per in ((1024, 8), (512, 4), (0, 1), (100, 1)):
+        assert replay(128, 8, budget) == replay(128 * per, 1, 0), budget
+    assert replay(128, 8, 1024) > replay(128, 8, 512) > replay(128, 8, 0)
+    for budget, want in ((0, (8, 1)), (512, (2, 4)), (1000, (2, 7)), (8192, (1, 8))):
+        assert even_micro_steps(128, 8, budget) == want
+    # pp=4: 1F1B keeps min(pp - s, passes) micro-batches on stage s; the replay's bubble follows the passes
+    for budget, passes in ((0, 8), (512, 2), (1024, 1)):
+        cfg = _cfg("configs/qwen3.6-27b.yaml", "parallel.tp=4", "parallel.pp=4", f"replay.batch_tokens={budget}")
+        assert in_flight(cfg, P, 128, 8, range(16)) == min(4, passes)
+        t = plan_time(fam, cfg, P, 128, 8, 16, 148e12, 0.05, {})
+        assert t["seconds"]["replay"] == pytest.approx(t["flops"]["replay"] / (148e12 * 0.05) * bubble(passes, 4))
+    # a tree's passes: the replay's own steps on the same tree's responses (segments and tails' micro-steps)
+    widths, lengths = (1, 2, 2, 4), (24, 24, 6, 10)
+    responses = full_tree(512, widths, lengths, torch.Generator().manual_seed(0))
+    root = tree.build_tree(responses)
+    for budget in (0, 20, 40, 1000):
+        steps = tree.tree_steps(root, [len(r) for r in responses], budget)
+        assert tree_passes(widths, lengths, budget) == sum(s.phase in ("segment", "replay") for s in steps), budget
+    assert [tree_passes(widths, lengths, b) for b in (0, 20, 40)] == [7 + 16, 7 + 8, 7 + 4]  # 7 segments

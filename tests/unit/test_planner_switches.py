@@ -102,9 +102,9 @@ def test_recompute_keeps_each_layers_input_and_one_layer():
     from longstraw_mcore.prompt_state.containers import analytic_state_grad_bytes
 
     Pt, R, G = 300, 40, 2
-    for mode in ("detached", "exact"):
-        base = _cfg("configs/qwen3.6-tiny.yaml", f"replay.mode={mode}")
-        rec = _cfg("configs/qwen3.6-tiny.yaml", f"replay.mode={mode}", "memory.recompute=layer")
+    for mode in ("detached", "exact"):  # one branch of R tokens per micro-step (the budget's batch: test_planner.py)
+        base = _cfg("configs/qwen3.6-tiny.yaml", f"replay.mode={mode}", "replay.batch_tokens=0")
+        rec = _cfg("configs/qwen3.6-tiny.yaml", f"replay.mode={mode}", "memory.recompute=layer", "replay.batch_tokens=0")
         fam, m = get_family("qwen3_5"), base.model
         L, Hd, e, V = m.num_layers, m.hidden_size, 4, m.padded_vocab_size(1)
         cap, chunk = Pt - 1, min(base.replay.chunk_len, Pt - 1)
@@ -162,7 +162,7 @@ def test_grad_offload_leaves_one_bucket_on_the_device():
     the host; the device keeps one bucket's send buffer and reduce-scatter output, whose size is the
     bucket limit plus at most the largest parameter (the padded output layer's TP shard here), or the
     shards' copy an optimizer on the device updates from; the time model adds 2 x n x e over PCIe per
-    micro-step (G branches, + the chunks in exact mode)."""
+    micro-step (the replay's under replay.batch_tokens, + the chunks in exact mode)."""
     from longstraw_mcore.families import get_family
     from longstraw_mcore.planner.devices import device_profile
     from longstraw_mcore.planner.memory import stage_weights
@@ -185,11 +185,15 @@ def test_grad_offload_leaves_one_bucket_on_the_device():
         {k: v for k, v in resident.items() if k != "gradients"} | {"allocator_slack": device["allocator_slack"]}
     on_device = _cfg(Q27, *layout, "memory.grad_offload=true")  # the update reads the shards on the device
     assert _both(on_device, 65_536, 1024, 8, 8)[0]["gradients"] == max(bucket + bucket // 2, -(-n * 4 // 2))
-    for mode, micro in (("detached", 8), ("exact", 8 + -(-(65_536 - 1) // cfg.replay.chunk_len))):
-        c = _cfg(Q27, *layout, "memory.grad_offload=true", "memory.optimizer_offload=true", f"replay.mode={mode}")
+    chunks = -(-(65_536 - 1) // cfg.replay.chunk_len)
+    # G = 8 branches of 1,024 tokens: one per micro-step at a budget of 0, 4 + 4 at 4,096, all at 8,192
+    for mode, budget, micro in (("detached", 0, 8), ("detached", 4096, 2), ("detached", 8192, 1),
+                                ("exact", 0, 8 + chunks), ("exact", 8192, 1 + chunks)):
+        c = _cfg(Q27, *layout, "memory.grad_offload=true", "memory.optimizer_offload=true", f"replay.mode={mode}",
+                 f"replay.batch_tokens={budget}")
         h = _both(c, 65_536, 1024, 8, 8)[1]
         t = plan_time(get_family("qwen3_5"), c, 65_536, 1024, 8, 8, H20, 0.05, h)["seconds"]
-        assert math.isclose(t["grad_transfer"], 2 * n * 2 * micro / PCIE_BYTES_PER_S), (mode, t)
+        assert math.isclose(t["grad_transfer"], 2 * n * 2 * micro / PCIE_BYTES_PER_S), (mode, budget, t)
 
 
 def test_mla_query_block_caps_the_per_query_topk_terms():
@@ -219,7 +223,13 @@ def test_time_model_terms():
     n, S = -(-(Pt - 1) // cfg.replay.chunk_len), host["prompt_state"]
     assert S > 0 and t["flops"]["recompute"] == forward_flops(fam.layers, cfg.model, local, [R] * G, 4)
     assert math.isclose(t["seconds"]["recompute"], t["flops"]["recompute"] / peak)
-    assert math.isclose(t["seconds"]["state_transfer"], ((n + 1) / 2 * S + G * 2 * S) / PCIE_BYTES_PER_S)
+    # passes: G x R = 4,096 tokens is one micro-step under the default budget, G of them at 0
+    assert cfg.replay.batch_tokens >= G * R
+    assert math.isclose(t["seconds"]["state_transfer"], ((n + 1) / 2 * S + 1 * 2 * S) / PCIE_BYTES_PER_S)
+    one_each = _qwen("memory.state_offload=true", "memory.optimizer_offload=true", "train.grad_reduction=micro_step",
+                     "replay.batch_tokens=0")
+    t1 = plan_time(fam, one_each, Pt, R, G, 8, 148e12, 0.05, _both(one_each, Pt, R, G, 8)[1])
+    assert math.isclose(t1["seconds"]["state_transfer"], ((n + 1) / 2 * S + G * 2 * S) / PCIE_BYTES_PER_S)
     O, Gh = host["optimizer"], host["optimizer_grads"]
     assert math.isclose(t["seconds"]["optimizer_offload"],
                         (Gh + Gh / 4 * 2) / PCIE_BYTES_PER_S + (O + Gh) / CPU_ADAM_BYTES_PER_S)
