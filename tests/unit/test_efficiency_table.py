@@ -125,7 +125,7 @@ def test_plan_time_per_phase_by_hand_and_the_override():
     from longstraw_mcore.planner.timing import phase_flops, plan_time
 
     fam, h20 = get_family("qwen3_5"), device_profile("H20-96GB")
-    cfg = _cfg("configs/qwen3.6-tiny.yaml", "replay.mode=exact", "memory.recompute=layer", "replay.batch_branches=true")
+    cfg = _cfg("configs/qwen3.6-tiny.yaml", "replay.mode=exact", "memory.recompute=layer")
     P, R, G = 1000, 32, 4
     flops = phase_flops(fam, cfg, P, R, G)
     assert set(flops) == {"capture", "replay", "prompt_backward", "recompute"}

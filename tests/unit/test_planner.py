@@ -252,6 +252,8 @@ def test_replay_terms_follow_the_token_budget():
 
     fam, P = get_family("qwen3_5"), 65_536
 
+    from longstraw_mcore.planner.devices import device_profile
+
     def replay(R, G, budget, *more):
         cfg = _cfg("configs/qwen3.6-27b.yaml", "parallel.tp=4", f"replay.batch_tokens={budget}", *more)
         return phase_bytes(fam, cfg, P, R, G, range(64), True)["replay"]
@@ -265,7 +267,7 @@ def test_replay_terms_follow_the_token_budget():
     for budget, passes in ((0, 8), (512, 2), (1024, 1)):
         cfg = _cfg("configs/qwen3.6-27b.yaml", "parallel.tp=4", "parallel.pp=4", f"replay.batch_tokens={budget}")
         assert in_flight(cfg, P, 128, 8, range(16)) == min(4, passes)
-        t = plan_time(fam, cfg, P, 128, 8, 16, 148e12, 0.05, {})
+        t = plan_time(fam, cfg, P, 128, 8, 16, device_profile("H20-96GB"), 0.05, {})
         assert t["seconds"]["replay"] == pytest.approx(t["flops"]["replay"] / (148e12 * 0.05) * bubble(passes, 4))
     # a tree's passes: the replay's own steps on the same tree's responses (segments and tails' micro-steps)
     widths, lengths = (1, 2, 2, 4), (24, 24, 6, 10)

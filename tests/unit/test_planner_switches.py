@@ -228,7 +228,7 @@ def test_time_model_terms():
     assert math.isclose(t["seconds"]["state_transfer"], ((n + 1) / 2 * S + 1 * 2 * S) / PCIE_BYTES_PER_S)
     one_each = _qwen("memory.state_offload=true", "memory.optimizer_offload=true", "train.grad_reduction=micro_step",
                      "replay.batch_tokens=0")
-    t1 = plan_time(fam, one_each, Pt, R, G, 8, 148e12, 0.05, _both(one_each, Pt, R, G, 8)[1])
+    t1 = plan_time(fam, one_each, Pt, R, G, 8, H20, 0.05, _both(one_each, Pt, R, G, 8)[1])
     assert math.isclose(t1["seconds"]["state_transfer"], ((n + 1) / 2 * S + G * 2 * S) / PCIE_BYTES_PER_S)
     O, Gh = host["optimizer"], host["optimizer_grads"]
     assert math.isclose(t["seconds"]["optimizer_offload"],
