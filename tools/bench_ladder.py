@@ -128,7 +128,8 @@ def main(argv=None) -> int:
         rows, spent, last, stop = [], 0.0, None, "every length ran"
         for P in lens:
             plan = planned(P, mode)
-            fl = step_flops(family.layers, m, P, [R] * G, mode, cfg.replay.chunk_len, 1)["algorithm"]
+            fl = step_flops(family.layers, m, P, [R] * G, mode, cfg.replay.chunk_len, 1,
+                            batch_tokens=cfg.replay.batch_tokens)["algorithm"]
             if cuda and sum(plan.values()) > device_bytes:
                 stop = f"P={P}: planned {sum(plan.values()) / 2**30:.1f} GiB > the device's {device_bytes / 2**30:.1f} GiB"
                 break

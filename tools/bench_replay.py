@@ -209,7 +209,7 @@ def main(argv=None) -> int:
                     widest = max(b - a for a, b in micro_steps([R] * G, rcfg.batch_tokens))
                     store = stores_attention_probs(model, P - 1, rcfg, widest, R)
                     an = step_flops(family.layers, m, P, replay_pieces(model, responses, rcfg), mode, rcfg.chunk_len,
-                                    par.tp, store_probs=store)
+                                    par.tp, store_probs=store, batch_tokens=rcfg.batch_tokens)
                     if naive is None and P <= a.naive_max_prompt and G <= a.naive_max_group:
                         fn = group_loss_fn(group, cfg.grpo, advantages(group.rewards, cfg.grpo))
                         copies = a.naive_copies if 0 < a.naive_copies < G else G
@@ -374,7 +374,8 @@ def print_table(path: str, config: str, overrides) -> int:
     print("|" + "---|" * 17)
     for r in rows:
         store = r.get("store_probs", False)
-        an = step_flops(layers, m, r["P"], [r["R"]] * r["G"], r["mode"], r.get("chunk_len", 4096), store_probs=store)
+        an = step_flops(layers, m, r["P"], [r["R"]] * r["G"], r["mode"], r.get("chunk_len", 4096), store_probs=store,
+                        batch_tokens=r.get("batch_tokens", 0))  # (rows before replay.batch_tokens: one branch each)
         nv = naive_flops(layers, m, r["P"], [r["R"]] * r["G"])
         f = r["flops_measured"]
         naive = r["naive"]

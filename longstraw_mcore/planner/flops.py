@@ -13,6 +13,14 @@ measures. Two counts per phase:
   detached mode).
 - `model_3x`: the conventional count, forward once and backward = 2 x forward for every matmul.
 
+Padding (replay.batch_tokens): the executor runs the branches of a replay micro-step as one
+right-padded batch (replay/steps.py `replay_inputs`), each row as long as the micro-step's longest
+branch: a padded row's queries attend to the prompt and to its own row's earlier positions, exactly as
+a branch of that length would. So `algorithm` counts each micro-step as its branches x the branch
+of its longest length (`padded_steps`, cut by replay/plan.py `micro_steps`, the executor's own
+grouping); `minimum` and `model_3x` count every branch at its own length (padding is waste, not work
+the step needs).
+
 Every layer's share comes from its family's record (`layers`: {layer type: LayerKind}, whose `flops`
 has the `LayerFlops` methods below: planner/flops_hybrid.py for Qwen's, planner/flops_mla.py for
 GLM's); this module adds the output layer and sums the phases.
@@ -23,6 +31,8 @@ chunk, tp tensor parallel size.
 from __future__ import annotations
 
 from typing import Protocol
+
+from longstraw_mcore.replay.plan import micro_steps
 
 
 class LayerFlops(Protocol):
@@ -94,34 +104,69 @@ def pieces(lengths) -> list[tuple[int, tuple[int, ...], bool]]:
     return [(x, (), False) if isinstance(x, int) else (int(x[0]), tuple(x[1]), bool(x[2])) for x in lengths]
 
 
+def padded_steps(lengths, batch_tokens: int) -> list[tuple[int, int, tuple[int, ...], bool]]:
+    """(branches, tokens each of them runs, path, seeded) of every replay micro-step of `lengths`
+    (`pieces`) under the token budget `batch_tokens` (replay.batch_tokens; 0: one piece per micro-step,
+    at its own length), cut as the executor cuts them, by replay/plan.py `micro_steps`: a flat group's
+    branches in order; a prefix tree's segments one each, and the tails below each node (the run of
+    consecutive tail pieces after the same segments: replay/tree.py `tree_pieces` lists a node's tails
+    together, in `tree_steps`' order). Every branch of a micro-step runs its longest one's tokens
+    (right-padded: replay/steps.py `replay_inputs`)."""
+    out, run = [], []  # run: the tail pieces (tokens, path) of the node being collected
+
+    def cut():
+        for a, b in micro_steps([n for n, _ in run], batch_tokens):
+            out.append((b - a, max(n for n, _ in run[a:b]), run[a][1], False))
+        run.clear()
+
+    for n, path, seeded in pieces(lengths):
+        if seeded or (run and run[-1][1] != path):
+            cut()
+        if seeded:
+            out.append((1, n, path, True))
+        else:
+            run.append((n, path))
+    cut()
+    return out
+
+
 def branch_flops(layers: dict, m, P: int, lengths: list, exact: bool, tp: int = 1, store_probs: bool = False,
-                 kind: str = "algorithm") -> float:
+                 kind: str = "algorithm", batch_tokens: int = 0) -> float:
     """The replay phase: every branch (or prefix-tree piece: `pieces`) forward and backward against
     P - 1 captured positions, the output layer on every branch token: its forward, and in the backward
-    dX and dW, plus (algorithm) the log-prob chunk's recompute."""
+    dX and dW, plus (algorithm) the log-prob chunk's recompute. `algorithm` runs the micro-steps under
+    `batch_tokens` padded (`padded_steps`; 0: one branch each); `minimum` every branch at its length."""
     Pc, per = P - 1, _layers(layers, m)
     head_units = 3 if kind == "algorithm" else 2
-    return sum(sum(f.replay(m, tp, i, R, Pc, exact, store_probs and not path, kind, path, seeded) for i, f in per)
-               + (1 + head_units) * _head(m, tp, R) for R, path, seeded in pieces(lengths))
+    steps = padded_steps(lengths, batch_tokens if kind == "algorithm" else 0)
+    # (a segment replays without storing its probabilities: prompt_state/contexts.py SegmentContext)
+    return sum(B * (sum(f.replay(m, tp, i, T, Pc, exact, store_probs and not path and not seeded, kind, path, seeded)
+                        for i, f in per) + (1 + head_units) * _head(m, tp, T))
+               for B, T, path, seeded in steps)
 
 
-def forward_flops(layers: dict, m, P: int, lengths: list[int], tp: int = 1) -> float:
+def forward_flops(layers: dict, m, P: int, lengths: list[int], tp: int = 1, batch_tokens: int = 0) -> float:
     """The branches' forward through the decoder layers only (visible pairs, the conventional count's
-    forward): what memory.recompute=layer runs a second time in the backward."""
+    forward), in the micro-steps under `batch_tokens` padded (`padded_steps`): what memory.recompute=layer
+    runs a second time in the backward."""
     Pc, per = P - 1, _layers(layers, m)
-    return float(sum(f.forward(m, tp, i, R, Pc + sum(path)) for R, path, _ in pieces(lengths) for i, f in per))
+    return float(sum(B * f.forward(m, tp, i, T, Pc + sum(path))
+                     for B, T, path, _ in padded_steps(lengths, batch_tokens) for i, f in per))
 
 
 def step_flops(layers: dict, m, P: int, lengths: list[int], mode: str, chunk_len: int, tp: int = 1,
-               store_probs: bool = False, cp: int = 1) -> dict:
+               store_probs: bool = False, cp: int = 1, batch_tokens: int = 0) -> dict:
     """{"algorithm": {phase: flops}, "minimum": {phase: flops}, "model_3x": {...}} for one group step of
     branch replay (`layers`: the family's {layer type: LayerKind}; `lengths`: the branches' lengths, or
     a prefix tree's (tokens, depth) pieces).
 
-    `store_probs`: the branches keep their attention probabilities over the prompt (no score
-    recompute in their backward; `replay.attn_probs_budget_mib`). `cp`: the context-parallel size, for
-    what a layer does differently under it (Gated DeltaNet by sequence pieces: planner/flops_hybrid.py);
-    the capture and the sweep are then the sum over the cp ranks."""
+    `store_probs`: every micro-step keeps its attention probabilities over the prompt (no score
+    recompute in its backward; `replay.attn_probs_budget_mib`, which the executor checks per micro-step:
+    replay/steps.py `stores_attention_probs`). `batch_tokens`: replay.batch_tokens, the token budget the
+    replay's micro-steps are cut by (`padded_steps`; 0: one branch per micro-step); the algorithm count
+    includes their padding. `cp`: the context-parallel size, for what a layer does differently under it
+    (Gated DeltaNet by sequence pieces: planner/flops_hybrid.py); the capture and the sweep are then the
+    sum over the cp ranks."""
     Pc = P - 1
     chunks = [(s, min(Pc, s + chunk_len)) for s in range(0, Pc, chunk_len)]
     per = _layers(layers, m)
@@ -130,7 +175,7 @@ def step_flops(layers: dict, m, P: int, lengths: list[int], mode: str, chunk_len
     for kind in ("algorithm", "minimum"):
         last = len(per) - 1
         ph = {"capture": sum(f.capture(m, tp, i, chunks, kind, i == last, cp=cp) for i, f in per)}
-        ph["replay"] = branch_flops(layers, m, P, lengths, exact, tp, store_probs, kind)
+        ph["replay"] = branch_flops(layers, m, P, lengths, exact, tp, store_probs, kind, batch_tokens)
         if exact:
             ph["prompt_backward"] = sum(f.recompute(m, tp, i, s, e, i == last, kind, cp=cp) for s, e in chunks
                                         for i, f in per)

@@ -7,9 +7,10 @@ HBM bandwidth; `--efficiency F` overrides it with one fraction for every phase),
 the CPU optimizer at the constant rates below, nothing overlapped (an upper bound where the runtime
 overlaps), no communication.
 
-Per rank, with F a phase's FLOPs on one TP rank (step_flops' algorithm count; the capture's and the
-sweep's summed over the cp ranks, so Gated DeltaNet by sequence pieces counts its wider rule and
-every rank's scan: planner/flops_hybrid.py), peak_x = the device's bf16 FLOP/s x phase x's
+Per rank, with F a phase's FLOPs on one TP rank (step_flops' algorithm count, the replay's micro-steps
+padded to their longest branch under replay.batch_tokens; the capture's and the sweep's summed over the
+cp ranks, so Gated DeltaNet by sequence pieces counts its wider rule and every rank's scan:
+planner/flops_hybrid.py), peak_x = the device's bf16 FLOP/s x phase x's
 efficiency, n the capture chunks, passes = the replay's micro-steps (G branches of R tokens under
 replay.batch_tokens: replay/plan.py `even_micro_steps`, the executor's grouping; a prefix tree's
 segments and its tails' micro-steps: planner/tree.py `tree_passes`), P_local = ceil((P - 1) / cp) + 1:
@@ -62,21 +63,23 @@ CPU_ADAM_BYTES_PER_S = 10e9
 rank: a 2-socket DDR5 node's ~300-600 GB/s shared by 8 ranks' optimizer threads, with Adam's several
 passes per element (read parameter, gradient and moments; write parameter and moments)."""
 
-def _step(family, m, P: int, lengths: list[int], mode: str, chunk_len: int, tp: int, cp: int) -> dict:
+def _step(family, m, P: int, lengths: list[int], mode: str, chunk_len: int, tp: int, cp: int,
+          batch_tokens: int) -> dict:
     """step_flops' algorithm count (capture and sweep summed over the cp ranks)."""
     from longstraw_mcore.planner.flops import step_flops
 
-    return kept(("step", family.name, repr(m), P, tuple(lengths), mode, chunk_len, tp, cp),
-                 lambda: step_flops(family.layers, m, P, lengths, mode, chunk_len, tp, cp=cp)["algorithm"])
+    return kept(("step", family.name, repr(m), P, tuple(lengths), mode, chunk_len, tp, cp, batch_tokens),
+                 lambda: step_flops(family.layers, m, P, lengths, mode, chunk_len, tp, cp=cp,
+                                    batch_tokens=batch_tokens)["algorithm"])
 
 
-def _branches(family, m, P: int, lengths: list[int], exact: bool, tp: int) -> tuple[float, float]:
-    """(branch_flops, forward_flops) against P - 1 captured positions."""
+def _branches(family, m, P: int, lengths: list[int], exact: bool, tp: int, batch_tokens: int) -> tuple[float, float]:
+    """(branch_flops, forward_flops) against P - 1 captured positions, micro-steps padded."""
     from longstraw_mcore.planner.flops import branch_flops, forward_flops
 
-    return kept(("branches", family.name, repr(m), P, tuple(lengths), exact, tp),
-                 lambda: (branch_flops(family.layers, m, P, lengths, exact, tp),
-                          forward_flops(family.layers, m, P, lengths, tp)))
+    return kept(("branches", family.name, repr(m), P, tuple(lengths), exact, tp, batch_tokens),
+                 lambda: (branch_flops(family.layers, m, P, lengths, exact, tp, batch_tokens=batch_tokens),
+                          forward_flops(family.layers, m, P, lengths, tp, batch_tokens)))
 
 
 def bubble(k: int, pp: int) -> float:
@@ -101,12 +104,14 @@ def in_flight(cfg, P: int, R: int, G: int, stage: range) -> int:
 def phase_flops(family, cfg, P: int, R: int, G: int, pieces=None) -> dict:
     """{phase: FLOPs per rank}: capture, replay, prompt_backward (exact mode) and, with
     memory.recompute=layer, recompute (the second forward); `pieces`: a prefix tree's (tokens, depth)
-    (planner/tree.py) instead of G branches of R tokens."""
+    (planner/tree.py) instead of G branches of R tokens; the replay's micro-steps under
+    replay.batch_tokens, padded (planner/flops.py `padded_steps`: nothing added where the lengths are
+    equal, as here)."""
     m, p, rc = cfg.model, cfg.parallel, cfg.replay
     exact = rc.mode == "exact"
     lengths = list(pieces) if pieces is not None else [R] * G
-    full = _step(family, m, P, lengths, rc.mode, rc.chunk_len, p.tp, p.cp)
-    replay, forward = _branches(family, m, -(-(P - 1) // p.cp) + 1, lengths, exact, p.tp)
+    full = _step(family, m, P, lengths, rc.mode, rc.chunk_len, p.tp, p.cp, rc.batch_tokens)
+    replay, forward = _branches(family, m, -(-(P - 1) // p.cp) + 1, lengths, exact, p.tp, rc.batch_tokens)
     out = {"capture": full["capture"] / (p.pp * p.cp), "replay": replay / p.pp}
     if exact:
         out["prompt_backward"] = full["prompt_backward"] / (p.pp * p.cp)

@@ -20,7 +20,8 @@ Replay micro-steps (`micro_steps`): the branches, in replay order, are cut into 
 as long as its right-padded batch (branches x the longest one's tokens) fits `replay.batch_tokens`; a
 branch longer than the budget runs alone, and a budget of 0 gives one branch per micro-step. With
 branches of 5, 1, 9, 3 tokens and a budget of 12: (0, 1) [2 x 5 = 10], (2,) [9; 2 x 9 > 12], (3,).
-The planner counts the same micro-steps (planner/memory.py, planner/timing.py).
+The planner counts the same micro-steps (planner/memory.py, planner/timing.py, and the padded
+positions in planner/flops.py `padded_steps`).
 
 With shared response prefixes the replay steps are a prefix tree's (replay/tree.py: `segment`,
 `replay` from a depth, `segment_backward`, depth first); the rest of the plan is unchanged.

@@ -87,9 +87,10 @@ def shares(root: Node) -> bool:
 
 def tree_pieces(root: Node, responses: list[list[int]], path: tuple[int, ...] = ()) -> list:
     """(tokens, the segment lengths above it, is a segment) of every piece the tree replays: its
-    segments and the responses' tails (what the FLOP model counts: planner/flops.py `pieces`)."""
+    segments and the responses' tails (what the FLOP model counts: planner/flops.py `pieces`), a node's
+    tails together and in `tree_steps`' order (the FLOP model cuts them into the same micro-steps)."""
     d = root.depth[1]
-    out = [(len(responses[b]) - d, path, False) for b in root.tails]
+    out = [(len(responses[b]) - d, path, False) for b in sorted(root.tails)]
     for c in root.children:
         n = c.depth[1] - c.depth[0]
         out += [(n, path, True)] + tree_pieces(c, responses, path + (n,))
