@@ -6,7 +6,8 @@
       [--naive-copies N] [--out bench.json] [key=value ...]    (e.g. replay.attn_probs_budget_mib=4096)
   python tools/bench_replay.py --tree 1,2,2,4:24,24,6,10 --prompt-lens 4096 [--modes detached,exact]
   python tools/bench_replay.py --vs-transformers [--config configs/bench-hybrid-256.yaml] --prompt-lens 4096,16384
-      --response-lens 128 --group-sizes 8 [--hf-full-copies N] [--cold] [--out vs_hf.json]
+      --response-lens 128 --group-sizes 8 [--hf-full-copies N] [--paths hf_cache,detached,...] [--cold]
+      [--out vs_hf.json]
 
 --vs-transformers runs, in one process on the same weights, transformers' full sequences, transformers'
 no-grad prompt cache + per-branch autograd, and our detached and exact modes, one branch per micro-step
@@ -127,6 +128,8 @@ def main(argv=None) -> int:
     p.add_argument("--table-from", default=None, help="print the table of earlier JSON files (comma-separated; "
                    "analytic columns recomputed with the current FLOP model) and exit")
     p.add_argument("--vs-transformers", action="store_true", help="the side-by-side table with transformers (above)")
+    p.add_argument("--paths", default="", help="--vs-transformers: the paths to run (comma-separated, of "
+                   "longstraw_mcore/bench/vs_transformers.py PATHS; default: all)")
     p.add_argument("--hf-full-copies", type=int, default=0,
                    help="--vs-transformers: run transformers' full sequences on this many of the G branches and "
                         "scale (0 = all; its gradient is compared only when all run)")
@@ -270,6 +273,9 @@ def vs_transformers(a) -> int:
     m = cfg.model
     if m.family != "qwen3_5":
         raise SystemExit(f"--vs-transformers: model.family={m.family!r}; the side-by-side runs the qwen3_5 family")
+    paths = tuple(a.paths.split(",")) if a.paths else vt.PATHS
+    if not set(paths) <= set(vt.PATHS):
+        raise SystemExit(f"--paths {a.paths}: each one of {', '.join(vt.PATHS)}")
     par = setup_parallel(cfg)
     configure(cfg.ops)
     host_heap.apply(cfg.memory.host_heap)  # (process-wide: transformers' paths run under it too)
@@ -295,7 +301,8 @@ def vs_transformers(a) -> int:
                 print(f"P={P} R={R} G={G} ({m.dtype}, {torch.get_num_threads()} threads, ops.attention="
                       f"{cfg.ops.attention}, ops.gdn={cfg.ops.gdn}, memory.host_heap={host_heap.applied()}, batched: "
                       f"replay.batch_tokens={cfg.replay.batch_tokens}):", flush=True)
-                res = vt.run_point(model, hf, m, group, cfg.replay, cfg.grpo, copies=a.hf_full_copies, warm=not a.cold,
+                res = vt.run_point(model, hf, m, group, cfg.replay, cfg.grpo, paths=paths, copies=a.hf_full_copies,
+                                   warm=not a.cold,
                                    progress=lambda s: print(s, flush=True))
                 rows.append({"P": P, "R": R, "G": G, "batch_tokens": cfg.replay.batch_tokens, "paths": res})
                 if len(rows) == 1 or rows[-2]["P"] != P:  # the GDN kernels alone, once per prompt length

@@ -73,6 +73,11 @@ def build_and_load(cfg, par, hf, load, log_prefix, adapter=None):
 
     configure(cfg.ops)
     host_heap.apply(cfg.memory.host_heap)
+    # the replay's log-prob chunks (and layer recompute) go through torch.utils.checkpoint, which imports
+    # torch._dynamo at its first call (0.6 s of imports on the 2-core box, inside the first group's replay
+    # otherwise): taken here, with the model, so a step's seconds are the step's
+    import torch._dynamo  # noqa: F401
+
     family = get_family(cfg.model.family)
     model = family.build_model(cfg.model, par, cfg.resolved_device())
     if hf:

@@ -71,7 +71,8 @@ def run(args) -> int:
         st = process_group(ddp, groups[i], cfg.replay, cfg.grpo, scale=par.dp / n, ref_model=ref, index=i,
                            watch=watch)
         results[i] = {"loss": st.loss, "logprobs": st.logprobs, "skipped": st.skipped, "state_bytes": st.state_bytes,
-                      "ref_state_bytes": st.ref_state_bytes, "tokens": st.tokens, "replayed": st.replayed_tokens}
+                      "ref_state_bytes": st.ref_state_bytes, "tokens": st.tokens, "replayed": st.replayed_tokens,
+                      "seconds": dict(st.seconds or {})}
         for k, v in (st.seconds or {}).items():
             seconds[k] = seconds.get(k, 0.0) + v
         rank0_print(f"[validate] group {i}: loss {st.loss:.6g}, {st.tokens} response tokens ({st.replayed_tokens} "
@@ -113,6 +114,8 @@ def run(args) -> int:
             "state_bytes_per_group": [merged[i]["state_bytes"] for i in range(n)],
             "ref_state_bytes_per_group": [merged[i]["ref_state_bytes"] for i in range(n)],
             "seconds": {k: max(g[1].get(k, 0.0) for g in gathered) for k in gathered[0][1]},
+            "seconds_per_group": [merged[i]["seconds"] for i in range(n)],  # (rank 0's share of each: the
+            # largest rank's totals are `seconds`; a group's first run in a process pays its first touches)
             "kernels": _kernels([g[5] for g in gathered]),
             "model": cfg.model.describe(),
             "memory": _memory_receipt(cfg, groups, par.world_size, [g[4] for g in gathered]),

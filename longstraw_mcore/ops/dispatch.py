@@ -81,9 +81,12 @@ def attention_kernel(q):
 
 def _gdn(op: str, x, key_dim: int | None):
     c = _choice.gdn
-    why = "ops.gdn=plain" if c == "plain" else fla_gdn.missing(x, key_dim)
-    if c == "auto" and why is None and x.device.type != "cuda":
-        why = "auto takes fla on CUDA only"
+    if c == "plain":
+        why = "ops.gdn=plain"
+    elif c == "auto" and x.device.type != "cuda":
+        why = "auto takes fla on CUDA only"  # (decided before fla_gdn.missing, which imports triton)
+    else:
+        why = fla_gdn.missing(x, key_dim)
     if c == "fla" and why is not None:
         raise ValueError(f"ops.gdn=fla cannot run here: {why} (use ops.gdn=auto or plain)")
     _record(op, "plain" if why else "fla")
