@@ -113,6 +113,8 @@ def _hopper_gate(gdn_chunk) -> None:
 
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
                            state_dtype=torch.float32):
+    """fla's rule behind the twin's contract (ops/gated_delta.chunk_gated_delta_rule); `chunk_size` is the
+    twin's and is not used (fla's chunk is FLA_CHUNK: the same rule, other rounding)."""
     rule, _ = _fla()
     dt = v.dtype
     h0 = None if initial_state is None else initial_state.float()
