@@ -11,8 +11,8 @@ weights, as `longstraw validate` builds it; a small untimed group first compiles
 kernels. Then, per mode (detached over --prompt-lens within --budget-s, then exact over
 --exact-prompt-lens within --exact-budget-s, if given), one GRPO group step (`process_group`: capture, replay, exact mode's prompt
 backward; no optimizer) per prompt length in ascending order, while
-  - the planner says it fits this device (planner/memory.py plan_memory, the optimizer left out:
-    there is none here), and
+  - the planner says it fits this device (planner/memory.py no_optimizer_plan: there is no optimizer
+    here), and
   - its predicted seconds (the previous point's, scaled by the analytic FLOP ratio of
     planner/flops.py step_flops) fit in what is left of --budget-s.
 Per point: seconds and tokens/s per phase, TFLOP/s per phase and overall from the analytic algorithm
@@ -73,9 +73,9 @@ def main(argv=None) -> int:
     from longstraw_mcore.ops import dispatch
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.planner.flops import step_flops
-    from longstraw_mcore.planner.memory import max_prompt_len, plan_memory
+    from longstraw_mcore.planner.memory import max_prompt_len, no_optimizer_plan
     from longstraw_mcore.replay.group_step import process_group
-    from longstraw_mcore.train.trainer import wrap_ddp
+    from longstraw_mcore.train.trainer import wrap_ddp_no_optimizer
 
     cfg = load_config(a.config, a.overrides)
     par = setup_parallel(cfg)
@@ -88,8 +88,7 @@ def main(argv=None) -> int:
     base = torch.cuda.memory_allocated() if cuda else 0
     t0 = time.perf_counter()
     model = build_and_load(cfg, par, None, None, "ladder")
-    ddp = wrap_ddp(model, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, distributed_optimizer=False),
-                                              memory=dataclasses.replace(cfg.memory, optimizer_offload=False)), par)
+    ddp = wrap_ddp_no_optimizer(model, cfg, par)
     build_s = time.perf_counter() - t0
     device_bytes = torch.cuda.get_device_properties(par.device).total_memory if cuda else None
     gen = torch.Generator().manual_seed(0)
@@ -111,12 +110,6 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         return st, time.perf_counter() - t
 
-    def planned(P, mode):
-        c = dataclasses.replace(cfg, replay=dataclasses.replace(cfg.replay, mode=mode))
-        plan = plan_memory(family, c, P, R, G, 1)
-        plan["optimizer"] = 0
-        return plan
-
     run(a.warmup_prompt, "exact" if "exact" in ladders else "detached")  # compile / autotune, untimed
     out = {"config": a.config, "overrides": a.overrides, "device": str(par.device), "R": R, "G": G,
            "device_name": torch.cuda.get_device_name(par.device) if cuda else "cpu", "build_seconds": build_s,
@@ -127,7 +120,7 @@ def main(argv=None) -> int:
         fit = max_prompt_len(family, c, R, G, 1, device_bytes, cuda=True) if cuda else None
         rows, spent, last, stop = [], 0.0, None, "every length ran"
         for P in lens:
-            plan = planned(P, mode)
+            plan = no_optimizer_plan(family, c, P, R, G, 1)
             fl = step_flops(family.layers, m, P, [R] * G, mode, cfg.replay.chunk_len, 1,
                             batch_tokens=cfg.replay.batch_tokens)["algorithm"]
             if cuda and sum(plan.values()) > device_bytes:

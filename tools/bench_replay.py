@@ -282,10 +282,9 @@ def vs_transformers(a) -> int:
     if cfg.replay.batch_tokens == 0:
         print("(replay.batch_tokens=0: the batched columns are one branch per micro-step too)", flush=True)
     model = get_family(m.family).build_model(m, par, cfg.resolved_device())
-    # transformers with its fast Gated DeltaNet path where it has one: fla on CUDA (bench/hf_kernels.py)
-    import importlib.util
+    from longstraw_mcore.bench.hf_kernels import fast_path
 
-    hf_fla = par.device.type == "cuda" and importlib.util.find_spec("fla") is not None
+    hf_fla = fast_path(par.device.type)  # transformers with its own fast path where it has one
     hf = vt.build_hf(m, fla=hf_fla).to(par.device)
     vt.load_same_weights(model, hf, m)
     gen = torch.Generator().manual_seed(0)

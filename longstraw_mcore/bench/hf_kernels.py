@@ -12,6 +12,8 @@ numerical reference the very kernel it is meant to check. Hence:
     qwen3_5_modeling(fla=True)    the module as transformers binds it with fla importable (the GPU
                                   side-by-side: transformers with its fast path)
     gdn_path(module)              "fla" or "torch": what the module bound, read back from the binding
+    fast_path(device_type)        whether a peer run of transformers on that device takes fla (CUDA with fla
+                                  installed: its own fast path), for the side-by-side tools
     torch_rule(module)            transformers' own torch rule whatever was bound (the module's
                                   `torch_chunk_gated_delta_rule` is the wrapper that forwards to the binding)
 
@@ -27,6 +29,14 @@ import inspect
 import sys
 
 _MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
+
+
+def fast_path(device_type: str) -> bool:
+    """transformers' fast Gated DeltaNet path on `device_type` ("cpu" / "cuda"): fla, where it is
+    installed and the device is CUDA; its torch rule otherwise (the bench tools' peer binding)."""
+    import importlib.util
+
+    return device_type == "cuda" and importlib.util.find_spec("fla") is not None
 
 
 def _bindings(module) -> tuple:

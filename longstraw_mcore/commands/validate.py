@@ -45,15 +45,14 @@ def run(args) -> int:
     from longstraw_mcore.parallel.reduce import grad_norm
     from longstraw_mcore.replay.group_step import process_group
     from longstraw_mcore.bench.memory import peak_bytes
-    from longstraw_mcore.train.trainer import wrap_ddp
+    from longstraw_mcore.train.trainer import wrap_ddp_no_optimizer
 
     from longstraw_mcore.commands.layer_probe import LayerProbe, merge_reports
 
     model = build_and_load(cfg, par, args.hf, args.load, "validate", adapter)
     rank0_print(f"[validate] {cfg.model.family}: {cfg.model.describe()}; layout {par.layout()}")
     probe = LayerProbe(model, cfg.model, par.ep)
-    ddp = wrap_ddp(model, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, distributed_optimizer=False),
-                                              memory=dataclasses.replace(cfg.memory, optimizer_offload=False)), par)
+    ddp = wrap_ddp_no_optimizer(model, cfg, par)
     ref = reference_model(args, cfg, par)
     dp_rank, n = par.pgs.dp.rank(), len(groups)
     ddp.zero_grad_buffer()
@@ -173,14 +172,12 @@ def _layer_receipt(m, touched: dict) -> dict:
 def _memory_receipt(cfg, groups, world: int, measured: list[int]) -> dict:
     """The planner's per-rank bytes for the largest group beside each rank's measured peak above the
     process's baseline (validate builds no optimizer: the plan's optimizer term is left out)."""
-    from longstraw_mcore.planner.memory import plan_memory
+    from longstraw_mcore.planner.memory import no_optimizer_plan
 
     P = max(len(g.prompt) for g in groups)
     R = max(len(r) for g in groups for r in g.responses)
     G = max(len(g.responses) for g in groups)
-    planned = plan_memory(get_family(cfg.model.family), cfg, P, R, G, world)
-    planned["optimizer"] = 0
-    planned["allocator_slack"] = 0
+    planned = no_optimizer_plan(get_family(cfg.model.family), cfg, P, R, G, world)
     total = sum(planned.values())
     return {"planned_per_rank_bytes": planned, "planned_total_per_rank": total,
             "measured_peak_above_baseline_per_rank": measured,

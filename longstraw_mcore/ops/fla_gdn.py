@@ -45,9 +45,13 @@ def _triton_version() -> tuple[int, ...]:
 
 def _hopper_gate_applies(device: torch.device) -> bool:
     """fla's #640 refusal applies: a Hopper GPU (compute capability 9.x) with Triton in [3.4.0, 3.7.1)."""
-    if device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device)[0] == 9 and (3, 4, 0) <= _triton_version() < (3, 7, 1)
+    return device.type == "cuda" and _hopper_gate_on(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _hopper_gate_on(index: int) -> bool:
+    """(`_hopper_gate_applies` for CUDA device `index`, asked once per device: it is on every call's path.)"""
+    return torch.cuda.get_device_capability(index)[0] == 9 and (3, 4, 0) <= _triton_version() < (3, 7, 1)
 
 
 def missing(v: torch.Tensor, key_dim: int | None = None) -> str | None:

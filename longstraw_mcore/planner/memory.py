@@ -423,6 +423,16 @@ def step_peak_bytes(family, cfg, P: int, R: int, G: int, world_size: int, cuda: 
     return int(sum(per[k] for k in STEP_COMPONENTS) * (1 + (SLACK if cuda else 0)))
 
 
+def no_optimizer_plan(family, cfg, P: int, R: int, G: int, world_size: int) -> dict:
+    """{component: device bytes} of `plan_memory` for a step that builds no optimizer (`longstraw validate`,
+    tools/bench_ladder.py), held against an allocator's measured peak: no optimizer state and no
+    allocator slack (an allocated peak holds no fragmentation)."""
+    planned = plan_memory(family, cfg, P, R, G, world_size)
+    planned["optimizer"] = 0
+    planned["allocator_slack"] = 0
+    return planned
+
+
 def step_host_bytes(family, cfg, P: int, R: int, G: int, world_size: int) -> int:
     """The host side of `step_peak_bytes`: the prompt state and its exact-mode gradient that
     memory.state_offload keeps in host memory, and memory.grad_offload's gradient buffers and shards

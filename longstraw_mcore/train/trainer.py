@@ -90,6 +90,15 @@ def wrap_ddp(model, cfg: RunConfig, par):
     return ddp
 
 
+def wrap_ddp_no_optimizer(model, cfg: RunConfig, par):
+    """`wrap_ddp` for a step that builds no optimizer (`longstraw validate`, tools/bench_ladder.py): plain
+    DDP gradient buffers, whatever the config says of the distributed optimizer and its offload."""
+    import dataclasses
+
+    return wrap_ddp(model, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, distributed_optimizer=False),
+                                               memory=dataclasses.replace(cfg.memory, optimizer_offload=False)), par)
+
+
 def offload_kwargs(cfg: RunConfig) -> dict:
     """memory.optimizer_offload through Megatron-Core's own CPU offload: the whole optimizer (fp32 master
     weights, Adam moments, the update) on the host (HybridDeviceOptimizer, offload fraction 1); pinned
