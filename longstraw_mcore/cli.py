@@ -69,12 +69,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run even when `longstraw plan` says it does not fit a rank's memory")
         sp.add_argument("overrides", nargs="*", help="key=value config overrides")
 
+    def task_args(sp):
+        sp.add_argument("--dataset", default=None, help="your own prompts: JSON Lines rows with \"prompt\" (text) or "
+                        "\"messages\" (chat); other fields go to the reward (with --online)")
+        sp.add_argument("--eval-dataset", default=None, help="held-out rows: greedy reward every task.eval_every steps")
+        sp.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer directory (default: --hf's)")
+        sp.add_argument("--reward", action="append", default=None, metavar="MODULE:FUNCTION",
+                        help="function(responses, row) -> one float per response; a module path or a .py file; "
+                        "repeatable (weights: reward.weights=[...])")
+        sp.add_argument("--env", default=None, metavar="MODULE:CLASS",
+                        help="multi-turn environment: reset(row), step(text) -> (observation, done, reward)")
+
     t = sub.add_parser("train", help="GRPO/DPO training with branch replay")
     replay_args(t, need_weights=False, online=True)
     t.add_argument("--steps", type=int, required=True)
     t.add_argument("--save", default=None, help="checkpoint directory")
     t.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint under --save")
     t.add_argument("--metrics-out", default=None, help="append one JSON line of metrics per step (rank 0)")
+    t.add_argument("--tensorboard", default=None, help="also write TensorBoard event files here (rank 0; the "
+                   "`tensorboard` extra)")
+    task_args(t)
     t.set_defaults(command="train")
     v = sub.add_parser("validate", help="one branch-replay step without an optimizer update")
     replay_args(v, need_weights=True)
@@ -91,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts", default=None,
                      help='JSON Lines {"prompt": [ids], "key": [ids]?}; with a key the reward is key recall\'s')
     src.add_argument("--task-prompts", type=int, default=None, help="draw this many prompts from the config's task")
+    src.add_argument("--dataset", default=None, help="your own prompts (JSON Lines, text or chat), scored by --reward")
+    ro.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer directory (default: --hf's)")
+    ro.add_argument("--reward", action="append", default=None, metavar="MODULE:FUNCTION", help="with --dataset")
+    ro.add_argument("--env", default=None, metavar="MODULE:CLASS", help="with --dataset: multi-turn episodes")
     ro.add_argument("--adapter", default=None, help="a PEFT LoRA adapter directory on the base model")
     ro.add_argument("--out", required=True, help="the rollouts file to write (JSON Lines, the format train reads)")
     ro.add_argument("overrides", nargs="*", help="key=value config overrides (rollout.temperature=0.7, ...)")

@@ -123,46 +123,53 @@ def _check_same_dims(m: ModelConfig, expect: ModelConfig, src) -> None:
                               + ", ".join(f"{k}={v[0]} (config says {v[1]})" for k, v in diff.items()))
 
 
-def dump_hf_tensors(family, model, m: ModelConfig, path: str | Path, grads: bool = False, log=print) -> int | None:
-    """Write the model's full tensors (or gradients) under Hugging Face names to one safetensors file
-    on rank 0, one mapping rule at a time (collective; rank 0 holds one rule's tensors at most).
-    Returns the bytes written on rank 0, None elsewhere."""
+def hf_tensors(family, model, m: ModelConfig, grads: bool = False, dst: int = 0):
+    """(Hugging Face name, full tensor) for every tensor of the model (or its gradients), one mapping rule
+    at a time, the tensor on rank `dst` (None elsewhere). Collective: every rank iterates to the end;
+    rank `dst` holds one rule's tensors at most. The first item is (None, {name: (dtype, shape)}): what
+    follows, for a writer that lays out a file before the data."""
     import torch.distributed as dist
-
-    from longstraw_mcore.checkpoint.safetensors_stream import SafetensorsWriter
 
     mapping = family.checkpoint
     rules = mapping.rules(m)
     shapes = mapping.hf_shapes(m)
-    # dtype of each canonical tensor (what a gradient is kept in differs from the parameter's)
-    local = {}
-    for p_key, t in _local_dtypes(model, grads).items():
-        local[p_key] = t
+    local = dict(_local_dtypes(model, grads))  # (what a gradient is kept in differs from the parameter's)
     every = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
     if len(every) > 1:
         dist.all_gather_object(every, local)
     else:
         every = [local]
     dtypes = {k: v for d in every for k, v in d.items()}
+    mine = not dist.is_initialized() or dist.get_rank() == dst
+    yield None, {name: (dtypes[r.mcore[0]], shapes[name]) for r in rules for name in r.hf}
+    stream = stream_full(model, grads=grads, dst=dst, order=[k for r in rules for k in r.mcore])
+    for r in rules:
+        got = {}
+        for _ in r.mcore:
+            key, t = next(stream)
+            got[key] = t
+        outs = mapping.mcore_to_hf({k: got[k] for k in r.mcore}, m, only=r) if mine else {}
+        for name in r.hf:
+            yield name, outs.get(name)
+
+
+def dump_hf_tensors(family, model, m: ModelConfig, path: str | Path, grads: bool = False, log=print) -> int | None:
+    """Write the model's full tensors (or gradients) under Hugging Face names to one safetensors file
+    on rank 0 (`hf_tensors`: collective). Returns the bytes written on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    from longstraw_mcore.checkpoint.safetensors_stream import SafetensorsWriter
+
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    writer = None
-    if rank0:
-        entries = [(name, dtypes[r.mcore[0]], shapes[name]) for r in rules for name in r.hf]
-        writer = SafetensorsWriter(path, entries)
-    order = [k for r in rules for k in r.mcore]
-    stream = stream_full(model, grads=grads, dst=0, order=order)
+    stream = hf_tensors(family, model, m, grads)
+    _, layout = next(stream)
+    writer = SafetensorsWriter(path, [(name, dt, shape) for name, (dt, shape) in layout.items()]) if rank0 else None
     total = 0
     try:
-        for r in rules:
-            got = {}
-            for _ in r.mcore:
-                key, t = next(stream)
-                got[key] = t
+        for name, t in stream:
             if rank0:
-                outs = mapping.mcore_to_hf({k: got[k] for k in r.mcore}, m, only=r)
-                for name in r.hf:
-                    writer.write(name, outs[name])
-                    total += outs[name].numel() * outs[name].element_size()
+                writer.write(name, t)
+                total += t.numel() * t.element_size()
         if rank0:
             writer.close()
     except BaseException:
@@ -170,7 +177,7 @@ def dump_hf_tensors(family, model, m: ModelConfig, path: str | Path, grads: bool
             writer.abort()
         raise
     if rank0:
-        log(f"[dump] wrote {len(shapes)} {'gradients' if grads else 'tensors'} ({total / 2**20:.1f} MiB) to {path}")
+        log(f"[dump] wrote {len(layout)} {'gradients' if grads else 'tensors'} ({total / 2**20:.1f} MiB) to {path}")
     return total if rank0 else None
 
 

@@ -47,6 +47,17 @@ def run(args) -> int:
     cfg, adapter = resolve_adapter(args, load_run_config(args))
     check_run(cfg, "rollout", launch_world_size())
     check_sampling(cfg, "rollout")
+    if (args.reward or args.env or args.tokenizer) and not args.dataset:
+        raise ConfigError("--reward / --env / --tokenizer go with --dataset FILE")
+    if args.dataset:
+        from longstraw_mcore.tasks.user_task import prepare
+
+        _check_out(args.out)
+        user = prepare(args, cfg, rank0_print)
+        try:
+            return _run_dataset(args, user, adapter)
+        finally:
+            user.close()
     if args.task_prompts is not None:
         if args.task_prompts < 1:
             raise ConfigError(f"--task-prompts {args.task_prompts}: must be >= 1")
@@ -57,9 +68,7 @@ def run(args) -> int:
         task = src.task
     else:
         prompts, task = _read_prompts(args.prompts, cfg), None
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir):
-        raise ConfigError(f"--out {args.out!r}: folder {out_dir} does not exist")
+    _check_out(args.out)
 
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.rollout.sampler import sample_group
@@ -88,17 +97,53 @@ def run(args) -> int:
         if (i // dp) % max(1, len(prompts) // dp // 10) == 0:
             rank0_print(f"[rollout] prompt {i + 1}/{len(prompts)}: {len(prompt)} tokens, mean reward "
                         f"{sum(rewards) / len(rewards):.3f}")
+    _write(args.out, mine, len(prompts), par)
+    return 0
+
+
+def _check_out(out: str) -> None:
+    out_dir = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(out_dir):
+        raise ConfigError(f"--out {out!r}: folder {out_dir} does not exist")
+
+
+def _write(out: str, mine: dict, n: int, par) -> None:
+    """Every data-parallel rank's groups, in prompt order, written atomically by rank 0."""
     import torch.distributed as dist
 
     every = [None] * dist.get_world_size(par.pgs.dp)
     dist.all_gather_object(every, mine, group=par.pgs.dp)
     if par.rank == 0:
         merged = {k: v for d in every for k, v in d.items()}
-        tmp = args.out + ".tmp"
+        tmp = out + ".tmp"
         with open(tmp, "w") as f:
-            for i in range(len(prompts)):
+            for i in range(n):
                 f.write(json.dumps(merged[i]) + "\n")
-        os.replace(tmp, args.out)
+        os.replace(tmp, out)
         mean = sum(sum(g["rewards"]) / len(g["rewards"]) for g in merged.values()) / len(merged)
-        print(f"[rollout] wrote {len(prompts)} groups to {args.out}; mean reward {mean:.4f}", flush=True)
+        print(f"[rollout] wrote {n} groups to {out}; mean reward {mean:.4f}", flush=True)
+
+
+def _run_dataset(args, user, adapter) -> int:
+    """Every row of --dataset: G responses (or episodes) scored by the user's rewards; the file holds the
+    texts and the row beside the ids."""
+    from longstraw_mcore.rollout.dataset_groups import dataset_groups
+    from longstraw_mcore.parallel.groups import setup_parallel
+
+    cfg = user.cfg
+    par = setup_parallel(cfg)
+    model = build_and_load(cfg, par, args.hf, args.load, "rollout", adapter)
+    model.eval()
+    task = dataset_groups(cfg, par, user, rank0_print).task
+    dp, me, data = par.dp, par.pgs.dp.rank(), user.train
+    rank0_print(f"[rollout] {len(data)} rows of {data.path} x G={cfg.rollout.group_size}, temperature "
+                f"{cfg.rollout.temperature}, up to {cfg.rollout.max_tokens} tokens per turn, rewards {task.names}")
+    mine = {}
+    for i in range(me, len(data), dp):
+        s = task.sample(model, data.ids[i], data.rows[i], i, cfg.rollout, cfg.replay, i)
+        rewards = task.score([(s, data.rows[i])])[0]
+        mine[i] = {"prompt": s.prompt, "responses": s.responses, "rewards": rewards, "old_logprobs": s.logprobs,
+                   **({"loss_masks": s.loss_masks} if s.loss_masks is not None else {}),
+                   "texts": [task.decode(r) for r in s.responses], "row": data.rows[i]}
+    _write(args.out, mine, len(data), par)
     return 0

@@ -37,17 +37,36 @@ def run(args) -> int:
     cfg, adapter = resolve_adapter(args, load_run_config(args))
     check_run(cfg, "train", launch_world_size())
     online = getattr(args, "online", False)
+    _check_task_args(args, online)
+    if getattr(args, "tensorboard", None):
+        _tensorboard_writer(None)  # (the package is there, before any model work)
     if cfg.replay.reuse_steps > 1 and not online:
         from longstraw_mcore.config import ConfigError
 
         raise ConfigError(f"replay.reuse_steps={cfg.replay.reuse_steps}: reusing a capture samples new branches "
                           "each step, which needs `train --online`")
+    user = None
     if online:
         check_sampling(cfg, "train --online")
-        groups = [_online_shape(cfg)]
+        if args.dataset:
+            from longstraw_mcore.tasks.user_task import prepare
+
+            user = prepare(args, cfg, rank0_print)
+            cfg = user.cfg
+            groups = [_dataset_shape(user)]
+        else:
+            groups = [_online_shape(cfg)]
     else:
         groups = load_rollouts(args.rollouts, cfg.model.vocab_size)
         check_groups(cfg, groups, has_ref_model=bool(args.ref_hf or args.ref_load))
+    try:
+        return _checked(args, cfg, adapter, groups, online, user)
+    finally:
+        if user is not None:
+            user.close()
+
+
+def _checked(args, cfg, adapter, groups, online, user) -> int:
     check_fits(cfg, groups, launch_world_size(), args.force, "train")
     if args.save and not args.resume and published_steps(args.save) and same_job(args.save, cfg):
         rank0_print(f"[train] {args.save} holds this Slurm job's checkpoints (job {job_id()}, same config): a "
@@ -67,11 +86,11 @@ def run(args) -> int:
         try:
             if par.rank == 0:
                 write_identity(args.save, cfg, sys.argv)
-            return _train(args, cfg, adapter, par, groups, online)
+            return _train(args, cfg, adapter, par, groups, online, user)
         finally:
             if par.rank == 0:
                 release(args.save)
-    return _train(args, cfg, adapter, par, groups, online)
+    return _train(args, cfg, adapter, par, groups, online, user)
 
 
 def _lock(save: str, par) -> None:
@@ -86,24 +105,46 @@ def _lock(save: str, par) -> None:
         raise ConfigError(box[0])
 
 
-def _train(args, cfg, adapter, par, groups, online) -> int:
-    from longstraw_mcore.train.trainer import Trainer, build_training
+def _train(args, cfg, adapter, par, groups, online, user) -> int:
+    from longstraw_mcore.api import Session
+    from longstraw_mcore.rollout.dataset_groups import dataset_groups
 
-    model = build_and_load(cfg, par, args.hf, args.load, "train", adapter)
-    ddp, opt = build_training(model, cfg, par)
     source = None
     if online:
-        from longstraw_mcore.rollout.online import OnlineGroups
-
-        source = OnlineGroups(cfg)
+        source = dataset_groups(cfg, par, user, rank0_print) if user is not None else _builtin_source(cfg)
         groups = []
     stop = StopOnSignals(cfg.train.stop_signals)  # (from here on a signal stops at a safe point, with a checkpoint)
     try:
-        trainer = Trainer(cfg, par, ddp, opt, groups, ref_model=reference_model(args, cfg, par), log=rank0_print,
-                          online=source, stop=stop)
-        return _loop(args, cfg, par, ddp, trainer, groups, online, source, stop)
+        session = Session.build(args, cfg, adapter, par, groups, online=source, stop=stop, log=rank0_print)
+        return _loop(args, cfg, par, session.ddp, session.trainer, groups, online, source, stop)
     finally:
         stop.close()
+
+
+def _builtin_source(cfg):
+    from longstraw_mcore.rollout.online import OnlineGroups
+
+    return OnlineGroups(cfg)
+
+
+def _check_task_args(args, online: bool) -> None:
+    from longstraw_mcore.config import ConfigError
+
+    given = [f for f in ("dataset", "eval_dataset", "tokenizer", "reward", "env") if getattr(args, f, None)]
+    if given and not online:
+        raise ConfigError(f"--{given[0].replace('_', '-')} goes with --online (your own task, sampled on-policy)")
+    if given and "dataset" not in given:
+        raise ConfigError(f"--{given[0].replace('_', '-')} needs --dataset FILE (the prompts)")
+
+
+def _dataset_shape(user):
+    """A stand-in group for the checks: the dataset's longest prompt, G responses of the longest kind."""
+    from longstraw_mcore.data.rollouts import RolloutGroup
+
+    r = user.cfg.rollout
+    longest = max(len(x) for x in user.train.ids + (user.heldout.ids if user.heldout else []))
+    return RolloutGroup(prompt=[0] * longest, responses=[[0] * user.longest_response()] * r.group_size,
+                        rewards=[0.0] * r.group_size)
 
 
 def _loop(args, cfg, par, ddp, trainer, groups, online, source, stop) -> int:
@@ -113,7 +154,14 @@ def _loop(args, cfg, par, ddp, trainer, groups, online, source, stop) -> int:
         rank0_print(f"[train] step {trainer.step} >= --steps {args.steps}: nothing to do")
         return 0
     what = f"{len(groups)} prompt groups"
-    if online:
+    if hasattr(source, "data"):
+        d, task = source.data, source.task
+        sizes = [len(x) for x in d.ids]
+        what = (f"online: {len(d)} rows of {d.path} ({min(sizes)}-{max(sizes)} tokens"
+                + (f", {d.truncated} cut" if d.truncated else "") + f"), rewards {task.names} weights {task.weights}"
+                + (f", environment up to {cfg.env.max_turns} turns" if task.has_env else "")
+                + f", G={cfg.rollout.group_size}, stop ids {cfg.rollout.stop_ids}")
+    elif online:
         t = cfg.task
         what = (f"online: key recall prompts of {t.min_len}-{t.max_len} tokens"
                 + (f" (training from {t.start_len[0]}-{t.start_len[1]}: held {t.hold_steps} steps, "
@@ -126,9 +174,12 @@ def _loop(args, cfg, par, ddp, trainer, groups, online, source, stop) -> int:
     if args.metrics_out and par.rank == 0:
         Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
     every = cfg.train.save_every
-    evaluate = online and cfg.task.eval_prompts > 0 and cfg.task.eval_every > 0
+    evaluate = online and cfg.task.eval_prompts > 0 and cfg.task.eval_every > 0 and \
+        getattr(source, "heldout", True) is not None
+    log = _Log(args, par, cfg, trainer.step)
     if evaluate and trainer.step == 0:
-        _log(args, par, {"step": 0, "heldout_reward": source.held_out(ddp.module, par.pgs.dp, par.device)})
+        log({"step": 0, "heldout_reward": source.held_out(ddp.module, par.pgs.dp, par.device),
+             **getattr(source, "heldout_parts", {})})
     limit = cfg.train.max_bad_steps
     while trainer.step < args.steps:
         m = trainer.run_step()
@@ -136,7 +187,10 @@ def _loop(args, cfg, par, ddp, trainer, groups, online, source, stop) -> int:
             return _stopped(args, trainer, stop, f"during step {m['abandoned_step']} (abandoned: it is redone on resume)")
         if evaluate and (trainer.step % cfg.task.eval_every == 0 or trainer.step == args.steps):
             m["heldout_reward"] = source.held_out(ddp.module, par.pgs.dp, par.device)
-        _log(args, par, m)
+            m.update(getattr(source, "heldout_parts", {}))
+        log(m)
+        if cfg.task.log_samples and trainer.step % cfg.task.log_samples == 0 and getattr(source, "last", None):
+            _print_samples(source.last)
         if limit and m["bad_steps_in_a_row"] >= limit:
             dst = _save(args, trainer)
             raise TrainingDiverged(f"step {trainer.step}: {limit} steps in a row had a non-finite loss or gradient "
@@ -180,8 +234,66 @@ def _stopped(args, trainer, stop, when: str) -> int:
     return STOPPED_EXIT
 
 
-def _log(args, par, m: dict) -> None:
-    rank0_print("[train] " + json.dumps(m))
-    if args.metrics_out and par.rank == 0:
-        with open(args.metrics_out, "a") as f:
-            f.write(json.dumps(m) + "\n")
+class _Log:
+    """A step's record: the whole of it to --metrics-out (and --tensorboard), one short line to the console
+    (step, rewards, loss, KL, tokens/s, ETA). Rank 0."""
+
+    def __init__(self, args, par, cfg, first_step: int):
+        import time
+
+        self.args, self.on, self.steps = args, par.rank == 0, args.steps
+        self.t0, self.first = time.perf_counter(), first_step
+        self.tb = _tensorboard_writer(args.tensorboard) if self.on and getattr(args, "tensorboard", None) else None
+
+    def __call__(self, m: dict) -> None:
+        import time
+
+        if not self.on:
+            return
+        if self.args.metrics_out:
+            with open(self.args.metrics_out, "a") as f:
+                f.write(json.dumps(m) + "\n")
+        if self.tb is not None:
+            for k, v in m.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                    self.tb.add_scalar(k, v, m["step"])
+            self.tb.flush()
+        done = m["step"] - self.first
+        eta = (time.perf_counter() - self.t0) / done * (self.steps - m["step"]) if done > 0 and "loss" in m else None
+        print("[train] " + _line(m, self.steps, eta), flush=True)
+
+
+def _line(m: dict, steps: int, eta: float | None) -> str:
+    parts = [f"step {m['step']}/{steps}"]
+    for key, name, fmt in (("reward_mean", "reward", ".3f"), ("heldout_reward", "held-out", ".3f"),
+                           ("loss", "loss", ".4g"), ("kl", "kl", ".3g"), ("tokens_per_s", "tok/s", ",.0f")):
+        if isinstance(m.get(key), (int, float)):
+            parts.append(f"{name} {m[key]:{fmt}}")
+    fails = sum(v for k, v in m.items() if k.startswith(("reward_failures/", "env_failures/")))
+    if fails:
+        parts.append(f"failures {fails}")
+    if m.get("update_ok") is False:
+        parts.append("no update")
+    if eta is not None:
+        parts.append(f"eta {int(eta) // 60}m{int(eta) % 60:02d}s")
+    return ", ".join(parts)
+
+
+def _print_samples(last) -> None:
+    for row, texts, rewards in last:
+        head = (row.get("prompt") if isinstance(row.get("prompt"), str) else json.dumps(row.get("messages")))[-80:]
+        rank0_print(f"[sample] ...{head!r}")
+        for t, r in zip(texts, rewards):
+            rank0_print(f"[sample]   reward {r:.3f}: {t[:160]!r}")
+
+
+def _tensorboard_writer(path):
+    """torch's SummaryWriter on `path` (None: only checks that the package is installed)."""
+    from longstraw_mcore.config import ConfigError
+
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except Exception as e:  # noqa: BLE001 (ImportError, or the package half-installed)
+        raise ConfigError(f"--tensorboard needs the `tensorboard` package ({type(e).__name__}: {e}); install the "
+                          "project's extra: pip install -e '.[tensorboard]'") from None
+    return SummaryWriter(path) if path else None

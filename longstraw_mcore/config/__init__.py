@@ -14,6 +14,7 @@ allocation or write.
     adapter.py     AdapterConfig: LoRA / QLoRA (adapters/)
     memory.py      MemoryConfig: recompute, state offload / fp8, optimizer offload, MLA query blocks
     sections.py    replay, grpo, rollout, ops, task, train
+    user_task.py   dataset, reward, env: the user's own task (--dataset, --reward, --env)
     run.py         RunConfig; ModelConfig (any family's); the family -> config class table
     loader.py      YAML + key=value overrides
 """
@@ -25,10 +26,11 @@ from longstraw_mcore.config.layout import ParallelConfig
 from longstraw_mcore.config.memory import MemoryConfig
 from longstraw_mcore.config.loader import apply_overrides, config_to_dict, load_config, model_config_from_dict
 from longstraw_mcore.config.qwen3_5 import Qwen35Config
+from longstraw_mcore.config.user_task import DatasetConfig, EnvConfig, RewardConfig
 from longstraw_mcore.config.run import MODEL_CONFIGS, ModelConfig, RunConfig
 from longstraw_mcore.config.sections import (GRPOConfig, OpsConfig, ReplayConfig, RolloutConfig, TaskConfig,
                                              TrainConfig)
 
 __all__ = ["AdapterConfig", "MemoryConfig", "ConfigError", "ModelConfig", "Qwen35Config", "GlmDsaConfig", "glm_5_2", "ParallelConfig", "ReplayConfig",
            "GRPOConfig", "RolloutConfig", "OpsConfig", "TaskConfig", "TrainConfig", "RunConfig", "MODEL_CONFIGS",
-           "load_config", "apply_overrides", "config_to_dict", "model_config_from_dict"]
+           "DatasetConfig", "RewardConfig", "EnvConfig", "load_config", "apply_overrides", "config_to_dict", "model_config_from_dict"]

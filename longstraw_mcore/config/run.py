@@ -14,6 +14,7 @@ from longstraw_mcore.config.memory import MemoryConfig
 from longstraw_mcore.config.qwen3_5 import Qwen35Config
 from longstraw_mcore.config.sections import (GRPOConfig, OpsConfig, ReplayConfig, RolloutConfig, TaskConfig,
                                              TrainConfig)
+from longstraw_mcore.config.user_task import DatasetConfig, EnvConfig, RewardConfig
 
 ModelConfig = Qwen35Config | GlmDsaConfig
 """A model of any family (the annotation every family-neutral module uses)."""
@@ -37,6 +38,9 @@ class RunConfig:
     ops: OpsConfig = field(default_factory=OpsConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     device: Literal["cpu", "cuda", "auto"] = "auto"
     """`cpu` (gloo), `cuda` (NCCL), or `auto`: cuda when available."""
     seed: int = 1234

@@ -187,10 +187,12 @@ class TaskConfig:
     eval_prompts: int = 32
     """Held-out prompts (greedy decoding, split over data-parallel ranks) scored every `eval_every` steps; 0: none."""
     eval_every: int = 5
+    log_samples: int = 0
+    """Every this many steps rank 0 prints a few sampled responses (as text with --dataset); 0: never."""
 
     def __post_init__(self):
         check_choices(self, "task")
-        check_ints(self, "task", ("eval_prompts", "eval_every", "hold_steps", "ramp_steps", "seed"), low=0,
+        check_ints(self, "task", ("eval_prompts", "eval_every", "hold_steps", "ramp_steps", "seed", "log_samples"), low=0,
                    words="an integer >= 0")
         if not isinstance(self.key_len, int) or not 1 <= self.key_len <= 16:
             raise ConfigError(f"task.key_len={self.key_len!r}: must be an integer in 1..16")

@@ -7,6 +7,9 @@
 an observation: context, not an action) gives no loss term and is not counted in the token mean, but
 its log-prob is still computed and reported. A group in which every token is masked is refused.
 
+`texts` and `row` (written by `longstraw rollout --dataset`: the decoded responses, the dataset row) are
+for reading; `train` ignores them.
+
 `load_rollouts` validates every group before any model work and raises `RolloutError` naming the
 group (0-based index = line order among non-empty lines), the field and the value.
 """
@@ -21,6 +24,11 @@ from pathlib import Path
 
 class RolloutError(ValueError):
     pass
+
+
+READ_ONLY = ("texts", "row")
+"""Fields `longstraw rollout --dataset` writes for people to read (the responses as text, the dataset row)
+and `train` ignores."""
 
 
 @dataclass
@@ -97,7 +105,8 @@ def parse_group(obj: dict, index: int, vocab_size: int) -> RolloutGroup:
     for key in ("prompt", "responses", "rewards"):
         if key not in obj:
             raise RolloutError(f"{g}: missing field '{key}'")
-    unknown = sorted(set(obj) - {"prompt", "responses", "rewards", "old_logprobs", "ref_logprobs", "loss_masks"})
+    unknown = sorted(set(obj) - {"prompt", "responses", "rewards", "old_logprobs", "ref_logprobs", "loss_masks"}
+                     - set(READ_ONLY))
     if unknown:
         raise RolloutError(f"{g}: unknown field(s) {unknown}")
     prompt = _ids(obj["prompt"], f"{g}: prompt", vocab_size)

@@ -149,3 +149,22 @@ def lockstep_group(pgs):
         if rank in comp and len(comp) > 1:
             out = g
     return out
+
+
+def replica_group(pgs):
+    """(group, leader's global rank) of the ranks that hold one model replica: those of this rank's
+    data-parallel index (its tensor-, context- and pipeline-parallel peers). User code (rewards,
+    environments: tasks/text_task.py) runs on the leader and its results are broadcast here, so every
+    rank of a replica trains on the same numbers even when a call times out. Every rank creates every
+    replica's group, in the same order (new_group is collective); group None when the replica is one rank."""
+    world = dist.get_world_size()
+    every = [None] * world
+    dist.all_gather_object(every, pgs.dp.rank())
+    mine, group = every[dist.get_rank()], None
+    for d in sorted(set(every)):
+        ranks = [r for r in range(world) if every[r] == d]
+        if len(ranks) > 1:
+            g = dist.new_group(ranks, timeout=dist_timeout())
+            if d == mine:
+                group = g
+    return group, min(r for r in range(world) if every[r] == mine)

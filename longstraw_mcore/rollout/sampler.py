@@ -129,22 +129,38 @@ def sample_group(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayCon
         responses, logps = sample_tree(model, prompt, state, cfg, gen, layout,
                                        lambda ids, ctx, u: _next_tokens(model, core, ids, ctx, cfg, u))
         return SampledGroup(prompt=list(prompt), responses=responses, logprobs=logps, state=state)
-    G, stop = cfg.group_size, set(cfg.stop_ids)
+    G = cfg.group_size
     seqs = [[prompt[-1]] + (list(prefixes[b]) if prefixes is not None else []) for b in range(G)]
     skip = 1 + (len(prefixes[0]) if prefixes is not None else 0)
-    logps: list[list[float]] = [[] for _ in range(G)]
-    done = [False] * G
-    for _ in range(cfg.max_tokens):
-        u = torch.rand(G, generator=gen, dtype=torch.float64)  # drawn every step: the stream never depends on stops
-        ids = torch.tensor(seqs, device=device)
-        nxt, lp = _next_tokens(model, core, ids, ReplayContext(state, batch=G, store_probs=False, layout=layout), cfg, u)
-        for b in range(G):
+    grown, logps = grow(model, core, seqs, cfg, cfg.max_tokens,
+                        lambda n: ReplayContext(state, batch=n, store_probs=False, layout=layout),
+                        lambda: torch.rand(G, generator=gen, dtype=torch.float64))
+    responses = [s[1:skip] + g for s, g in zip(seqs, grown)]
+    return SampledGroup(prompt=list(prompt), responses=responses, logprobs=logps, state=state)
+
+
+def grow(model, core, seqs: list[list[int]], cfg: RolloutConfig, steps: int, make_ctx, draw_u):
+    """Up to `steps` new tokens for each of the len(seqs) branches, each replaying its `seqs` row (the
+    token before its new ones first, all of one length) and what it grew so far, against the context
+    `make_ctx(batch)` builds (the prompt state, and a path of shared segments under it); a branch stops at
+    a stop id. `draw_u()` gives the step's uniform numbers, one per branch, drawn every step whatever
+    stopped. Returns (new tokens, their log-probs) per branch."""
+    n, stop = len(seqs), set(cfg.stop_ids)
+    device = next(core.parameters()).device
+    seqs = [list(s) for s in seqs]
+    new: list[list[int]] = [[] for _ in range(n)]
+    logps: list[list[float]] = [[] for _ in range(n)]
+    done = [False] * n
+    for _ in range(steps):
+        u = draw_u()
+        nxt, lp = _next_tokens(model, core, torch.tensor(seqs, device=device), make_ctx(n), cfg, u)
+        for b in range(n):
             tok = int(nxt[b]) if not done[b] else seqs[b][-1]   # finished branches repeat a token, unread
             seqs[b].append(tok)
             if not done[b]:
+                new[b].append(tok)
                 logps[b].append(float(lp[b]))
                 done[b] = tok in stop
         if all(done):
             break
-    responses = [s[1:skip + len(lp)] for s, lp in zip(seqs, logps)]
-    return SampledGroup(prompt=list(prompt), responses=responses, logprobs=logps, state=state)
+    return new, logps

@@ -40,15 +40,22 @@ class _Branch:
 
 def _segment(model, core, state, layout, b: _Branch, prompt_last: int, device):
     """Branch `b`'s tokens since its last split as a shared segment below its path (no autograd)."""
+    ids = b.inputs(prompt_last)[:-1]
+    return b.path + [record_segment(model, core, state, layout, b.path, b.start, ids, device)]
+
+
+def record_segment(model, core, state, layout, path: list, start: int, inputs: list[int], device):
+    """A shared segment below `path` (a list of segments) at response depth `start`: `inputs` (the token
+    before it, then its own tokens but the last) run once without autograd, recording their K/V, GDN
+    state and MLA latents (prompt_state/segments.py) for the branches that continue after it."""
     from longstraw_mcore.prompt_state.contexts import SegmentContext
     from longstraw_mcore.prompt_state.segments import Segment, SegmentPath
 
-    depth = len(b.tokens)
-    ids = torch.tensor([b.inputs(prompt_last)[:-1]], device=device)
-    seg = Segment(start=state.length + b.start, length=depth - b.start)
-    path = SegmentPath()
-    path.stack = list(b.path)
-    ctx = SegmentContext(state, path, seg, layout)
+    ids = torch.tensor([inputs], device=device)
+    seg = Segment(start=state.length + start, length=len(inputs))
+    stack = SegmentPath()
+    stack.stack = list(path)
+    ctx = SegmentContext(state, stack, seg, layout)
     if core.pg_collection.pp.size() == 1:
         core.forward_hidden(ids, ctx)
     else:
@@ -56,7 +63,7 @@ def _segment(model, core, state, layout, b: _Branch, prompt_last: int, device):
 
         forward_once(model, lambda: core.forward_hidden(ids, ctx), lambda h: None)
     seg.seal(None, grad=False)
-    return b.path + [seg]
+    return seg
 
 
 @torch.no_grad()

@@ -148,8 +148,10 @@ class Trainer:
     def _dp_rank(self) -> int:
         return self.par.pgs.dp.rank()
 
-    def run_step(self) -> dict:
-        """One optimizer step over this rank's groups; returns the step's metrics (same on every rank).
+    def run_step(self, groups: list[RolloutGroup] | None = None) -> dict:
+        """One optimizer step over this rank's groups (`groups`: given by the caller, e.g. the Python API's
+        own rollouts; else the online source's or the rollouts file's); returns the step's metrics (the
+        same on every rank).
 
         Stopping (train/stop.py): a group's plan left at a safe point (`Stopped`) abandons the step: every
         rank still joins the step's reductions, then none updates, `self.step` stays the last completed
@@ -167,13 +169,15 @@ class Trainer:
         # numbers until reduced
         acc = [0.0] * 11
         t_sample = time.perf_counter()
-        if self.online is not None:  # sampled now from the weights being trained: on-policy
+        if groups is not None:
+            mine = list(enumerate(groups))
+        elif self.online is not None:  # sampled now from the weights being trained: on-policy
             mine = list(enumerate(self.online.groups(self.ddp.module, self.step, self._dp_rank(), par.dp, gps)))
         else:
             mine = [(gi, self.groups[gi]) for gi in
                     (group_index(self.step, self._dp_rank(), i, par.dp, gps, len(self.groups)) for i in range(gps))]
         t_sample = time.perf_counter() - t_sample
-        states = self.online.states if self.online is not None else {}
+        states = self.online.states if self.online is not None and groups is None else {}
         stopped = False
         try:
             for gi, group in mine:
@@ -217,13 +221,27 @@ class Trainer:
         }
         if stop[1] > 0:
             metrics["stop_requested"] = True
-        if self.online is not None:
+        if self.online is not None and groups is None:
+            metrics.update(self._task_metrics([len(r) for _, g in mine for r in g.responses]))
             metrics["sample_seconds"] = t_sample
             metrics["reused_states"] = self.online.reused  # groups replayed against an earlier step's capture
             # every token the step ran: the prompts (captured, and in exact mode recomputed) and the responses
             metrics["tokens_per_s"] = (acc[8] + acc[2]) / max(metrics["seconds"], 1e-9)
         self.history.append(metrics)
         return metrics
+
+    def _task_metrics(self, lengths: list[int]) -> dict:
+        """The user task's per-step numbers (rollout/dataset_groups.py): the mean of each reward function per
+        response, failure and truncation counts, the mean response length; summed over data parallel."""
+        if not hasattr(self.online, "take_stats"):
+            return {}
+        st = self.online.take_stats()
+        keys = list(st)
+        vals = all_reduce_sum([st[k] for k in keys] + [len(lengths), sum(lengths)], self.par.pgs.dp, self.par.device)
+        n = max(vals[-2], 1.0)
+        out = {k: (v / n if k.startswith("reward/") else int(v)) for k, v in zip(keys, vals)}
+        out["response_len_mean"] = vals[-1] / n
+        return out
 
     # --- checkpoints (train/checkpoints.py: atomic publication, verification, fallback) ------------
 
@@ -233,8 +251,14 @@ class Trainer:
         layout_free = supported(self.opt, self.ddp.module, self.cfg) is None
         extra = self.opt.extra_state() if hasattr(self.opt, "extra_state") and not layout_free else None
         return save_step(root, self.step, self.ddp.module, _torch_optimizers(self.opt), self.cfg.model,
-                         self.par.layout(), self.history, {"run_config": asdict(self.cfg)}, fault=fault,
+                         self.par.layout(), self.history, {"run_config": asdict(self.cfg), **self._source_state()},
+                         fault=fault,
                          rank_extra=extra, optimizer=self.opt if layout_free else None)
+
+    def _source_state(self) -> dict:
+        """The online source's position in its dataset (rollout/dataset_groups.py), saved with the step."""
+        get = getattr(self.online, "checkpoint_state", None)
+        return {"dataset": get()} if get is not None else {}
 
     def resume(self, root: str | Path) -> bool:
         """Load the newest complete checkpoint under `root` (announcing any newer one skipped as
@@ -242,8 +266,11 @@ class Trainer:
         state is layout-free (train/optimizer_state.py)."""
         from longstraw_mcore.train.optimizer_state import OPTIMIZER_DIR, supported
 
+        metas = []
+
         def load(path):
             _, meta = read_checkpoint_meta(path)
+            metas.append(meta)
             if meta.get("layout") != self.par.layout():
                 why = supported(self.opt, self.ddp.module, self.cfg)
                 if why is not None or not (path / OPTIMIZER_DIR).is_dir():
@@ -259,6 +286,8 @@ class Trainer:
         if got is None:
             return False
         self.step, self.history = got
+        if hasattr(self.online, "restore"):
+            self.online.restore(metas[-1].get("dataset"))
         return True
 
 
