@@ -6,7 +6,7 @@
 Each rank is `python -m longstraw_mcore SUBCOMMAND ARGS...` with torch.distributed's environment
 (RANK = R x N + local rank, WORLD_SIZE = M x N, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT:
 init_process_group's env:// rendezvous at node 0). What torchrun did for this project, without its
-elastic agent, because of what a real Slurm showed (README "On a cluster"):
+elastic agent, because of what a real Slurm showed (docs/cluster.md):
 - signals: SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 sent to the launcher go to every rank once (the
   ranks run in their own session, so a terminal's Ctrl-C reaches them only this way); `train` stops at
   its next safe point on SIGTERM / SIGUSR1 (train/stop.py). torchrun's agent dies of SIGUSR1 and

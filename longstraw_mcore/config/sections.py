@@ -18,7 +18,7 @@ transformers' cache path 1.49 s); R=256, G=16, detached's replay 3.5-4.6 s one p
 3.0-3.2 s at 512, 1,024, 2,048 and 4,096 tokens (2 to 16 branches per micro-step), exact's 4.4 s against
 3.6 / 3.2 / 3.1 / 3.0 s: on the CPU the gain comes from the first few branches per step and a larger
 budget costs only memory (JSON: bench_results/cpu_batch_tokens_20261205/). On an H200 (bf16, P=16K,
-R=1K, G=8: the README's GPU run) all 8 branches in one micro-step, 8,192 tokens, halved detached
+R=1K, G=8: docs/cpu-gpu.md's GPU run) all 8 branches in one micro-step, 8,192 tokens, halved detached
 (1.5 s -> 0.7 s). Memory: a micro-step's activations are one branch's of its tokens, so 8,192 bounds
 them at what the published R = 8,192 points already plan for one branch; the 27B configs that are
 memory-tight at R = 1,024 set 1,024 (their files say so)."""

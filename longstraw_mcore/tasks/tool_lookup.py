@@ -13,7 +13,7 @@ loss mask [1, 0, 1]: the tool's token is never trained (its log-prob is still co
 trained, the policy would be taught to predict a random secret). Branches of a group that make the
 same call share [c, v]: the prefix tree replays that segment once (replay/tree.py).
 
-Measured (README): with the answer only rewarded after a call of one particular token, GRPO first
+Measured (docs/learning.md): with the answer only rewarded after a call of one particular token, GRPO first
 learnt to make that call and, meanwhile, collapsed its answer onto one value (the prompt-ignoring
 optimum, 1 / n_values; its groups then had equal rewards and no gradient) before learning to copy;
 so every call is answered.

@@ -6,7 +6,7 @@ parameters, planned (planner/memory.step_peak_bytes) and measured, each within 1
     the tiny Qwen config in float32, bfloat16 and float64, a 16K vocabulary (the log-prob chunk
     dominates), TP=2, CP=2, both modes; and the tiny GLM-5.2 (MLA + DSA + MoE) in exact mode, which
     the planner underestimates by about 12% (its MLA and MoE backward transients are not modelled yet):
-    held to 15% so that it cannot drift unseen, and reported as outside the 10% in the README;
+    held to 15% so that it cannot drift unseen, and reported as outside the 10% in docs/cluster.md;
   - 4 adapter points (LoRA and QLoRA nf4 on the frozen base, both modes, TP=1 and TP=2), within 10%:
     the planner counts what a frozen base does not keep and what the adapters add
     (planner/adapters.py frozen_base_activation_delta);
