@@ -7,7 +7,8 @@ registry's table of module paths, an f-string's constant prefix).
 - The parts' directions: parallel/ knows no model or schedule (it imports ops/, config/ and the
   bootstrap only); the objective (loss/) sees no layers; layers (models/) know no schedule (of
   prompt_state/ they see the mixer-facing protocol only); prompt_state/ imports no model; the library
-  never imports its command line (cli, commands/, __main__ and the MPI entry point launch_mpi); the
+  never imports its command line (cli, commands/, __main__, the MPI entry point launch_mpi, and the Python
+  API api.py: the front end of a user's own driver loop, on which `train` is built); the
   family registry (families/) is consulted only from the top (the command line; tools and tests are
   outside the package); config/ is the bottom (it imports nothing of the package but itself).
 
@@ -23,7 +24,7 @@ from pathlib import Path
 PKG = "longstraw_mcore"
 ROOT = Path(__file__).resolve().parents[2] / PKG
 MODULE_RE = re.compile(rf"^{PKG}(\.\w+)*$")
-COMMAND_LINE = {f"{PKG}.cli", f"{PKG}.__main__", f"{PKG}.launch_mpi"}
+COMMAND_LINE = {f"{PKG}.cli", f"{PKG}.__main__", f"{PKG}.launch_mpi", f"{PKG}.api"}
 
 
 def _modules() -> dict[str, Path]:
