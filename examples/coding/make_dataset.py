@@ -18,7 +18,8 @@ reward (examples/coding/reward.py) really runs the code, but the task does not n
 
 Length: each row has min..max modules (uniform) of 1..3 functions each; with the defaults the
 prompts are about 60 to 600 tokens of the tokenizer below. --ramp-rows R: the training rows' maximum
-grows linearly from --min-modules to --max-modules over the first R rows (a length curriculum for the
+grows linearly from --min-modules to --max-modules over the first R rows, and the functions per module
+from one to three over the first R / 2 (a length curriculum for the
 dataset path with dataset.shuffle=false); held-out rows always use the full range.
 
 Writes DIR/train.jsonl, DIR/heldout.jsonl, rows {"prompt": ..., "files": {path: source},
@@ -42,10 +43,10 @@ EOS = "<|endoftext|>"
 MAX_FUNCS, MAX_DEPTH = 3, 3   # functions per module; functions in the answer's call chain
 
 
-def make_row(rng: random.Random, n_modules: int) -> dict:
-    """One code base of `n_modules` modules and its question (see the module docstring)."""
+def make_row(rng: random.Random, n_modules: int, max_funcs: int = MAX_FUNCS) -> dict:
+    """One code base of `n_modules` modules of 1..max_funcs functions and its question (module docstring)."""
     mods = rng.sample(MODULE_WORDS, n_modules)
-    counts = [rng.randint(1, MAX_FUNCS) for _ in mods]
+    counts = [rng.randint(1, max_funcs) for _ in mods]
     pairs = [f"{a}_{b}" for a in NAME_WORDS for b in NAME_WORDS if a != b]
     names = rng.sample(pairs, sum(counts))
     owner = [m for m, c in enumerate(counts) for _ in range(c)]  # function f lives in module owner[f]
@@ -82,9 +83,12 @@ def make_row(rng: random.Random, n_modules: int) -> dict:
 
 
 def rows(rng: random.Random, n: int, lo: int, hi: int, ramp: int = 0):
+    """Rows of lo..hi modules; over the first `ramp` rows the largest module count grows from lo, and the
+    functions per module from 1 to MAX_FUNCS over the ramp's first half (the shortest rows: one function)."""
     for k in range(n):
         top = hi if k >= ramp else lo + (hi - lo) * k // ramp
-        yield make_row(rng, rng.randint(lo, top))
+        funcs = MAX_FUNCS if k >= ramp // 2 else 1 + (MAX_FUNCS - 1) * k // max(ramp // 2, 1)
+        yield make_row(rng, rng.randint(lo, top), funcs)
 
 
 def main(argv=None):

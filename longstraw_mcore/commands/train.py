@@ -176,7 +176,7 @@ def _loop(args, cfg, par, ddp, trainer, groups, online, source, stop) -> int:
     every = cfg.train.save_every
     evaluate = online and cfg.task.eval_prompts > 0 and cfg.task.eval_every > 0 and \
         getattr(source, "heldout", True) is not None
-    log = _Log(args, par, cfg, trainer.step)
+    log = _Log(args, par, trainer.step)
     if evaluate and trainer.step == 0:
         log({"step": 0, "heldout_reward": source.held_out(ddp.module, par.pgs.dp, par.device),
              **getattr(source, "heldout_parts", {})})
@@ -238,7 +238,7 @@ class _Log:
     """A step's record: the whole of it to --metrics-out (and --tensorboard), one short line to the console
     (step, rewards, loss, KL, tokens/s, ETA). Rank 0."""
 
-    def __init__(self, args, par, cfg, first_step: int):
+    def __init__(self, args, par, first_step: int):
         import time
 
         self.args, self.on, self.steps = args, par.rank == 0, args.steps

@@ -6,7 +6,7 @@
   rewards, and therefore every loss, gradient norm and held-out reward are equal, step for step;
 - the coding example (a generated code base, a reward that runs the code in a subprocess) runs end to
   end beside rewards that raise, hang past reward.timeout_s and return NaN: the run goes on, the
-  failures counted per kind in the metrics;
+  failures counted per kind in the metrics (and in the TensorBoard event files);
 - a run stopped mid-epoch (shuffled rows) and resumed continues with the next rows: its metrics equal
   the uninterrupted run's, bit for bit;
 - bad input is refused before any model work with exit status 2 and one line.
@@ -115,7 +115,8 @@ def test_coding_example_with_failing_rewards(tmp_path):
                   "--dataset", str(d / "train.jsonl"), "--eval-dataset", str(d / "heldout.jsonl"),
                   "--tokenizer", str(d / "tokenizer"), "--reward", "examples/coding/reward.py:reward",
                   "--reward", "tests.own_task.flaky_rewards:raises", "--reward", "tests.own_task.flaky_rewards:hangs",
-                  "--reward", "tests.own_task.flaky_rewards:nan", "--metrics-out", str(m), "reward.weights=[1,1,1,1]", "reward.timeout_s=3", "train.groups_per_step=2",
+                  "--reward", "tests.own_task.flaky_rewards:nan", "--metrics-out", str(m),
+                  "--tensorboard", str(tmp_path / "tb"), "reward.weights=[1,1,1,1]", "reward.timeout_s=3", "train.groups_per_step=2",
                   "rollout.group_size=4", "task.eval_prompts=4", "task.eval_every=2", "task.log_samples=1",
                   timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -131,6 +132,12 @@ def test_coding_example_with_failing_rewards(tmp_path):
     for kind in ("exception", "timeout", "nonfinite"):   # logged once per kind, naming the row
         assert sum(kind in line and "row" in line for line in out.splitlines()) >= 1, kind
     assert "[sample]" in r.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("reward_failures/timeout")] == [4.0, 4.0]
+    assert [e.step for e in events.Scalars("heldout_reward")] == [0, 2]
 
 
 BAD = [
