@@ -150,6 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """The command line, its key=value overrides anywhere among the options (argparse alone takes them only
+    in one run: `--reward f a=1 --steps 3 b=2` would refuse b=2)."""
+    args, extra = parser.parse_known_args(argv)
+    bad = [x for x in extra if x.startswith("-") or "=" not in x]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if extra:
+        args.overrides = list(getattr(args, "overrides", None) or []) + extra
+    return args
+
+
 def quiet_expected_warnings() -> None:
     """What every rank of a CPU run used to print and nobody needs: Megatron's warnings that TE / apex /
     absl are absent (the expected CPU set-up), torch's "No CUDA runtime is found" (logged when Megatron
@@ -177,7 +189,7 @@ def main(argv=None) -> int:
     import importlib
 
     quiet_expected_warnings()
-    args = build_parser().parse_args(argv)
+    args = parse(build_parser(), argv)
     from longstraw_mcore.checkpoint.common import CheckpointError
     from longstraw_mcore.commands.common import is_rank0
     from longstraw_mcore.config import ConfigError

@@ -41,24 +41,15 @@ def sample_episodes(model, prompt: list[int], cfg: RolloutConfig, replay: Replay
     """G = cfg.group_size episodes of up to `max_turns` policy turns (each up to cfg.max_tokens tokens).
     `respond(turn, branches, turn_tokens)` gives each listed branch's (observation ids, done) after its
     turn (the same on every rank). `max_tokens` (> 0) bounds an episode's tokens after the prompt."""
-    from longstraw_mcore.parallel.cp import CPLayout
     from longstraw_mcore.prompt_state.contexts import ReplayContext
     from longstraw_mcore.prompt_state.segments import SegmentPath
-    from longstraw_mcore.replay.engine import capture
-    from longstraw_mcore.replay.steps import core_of
-    from longstraw_mcore.rollout.sampler import check_prompt, grow
+    from longstraw_mcore.rollout.sampler import grow, start
     from longstraw_mcore.rollout.tree_sampler import record_segment
 
     if cfg.branch_at:
         raise ValueError("sample_episodes: rollout.branch_at (tree sampling) does not apply to episodes")
-    core = core_of(model)
-    check_prompt(prompt, cfg, core.model_cfg.vocab_size, f"prompt {index}")
+    core, state, layout, gen = start(model, prompt, cfg, replay, index, state)
     device = next(core.parameters()).device
-    if state is None:
-        state = capture(model, torch.tensor([prompt[:-1]], device=device),
-                        ReplayConfig(mode="detached", chunk_len=replay.chunk_len))
-    layout = CPLayout.of(core.cp_group)
-    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
     G = cfg.group_size
     out = Episodes([[] for _ in range(G)], [[] for _ in range(G)], [[] for _ in range(G)],
                    [[] for _ in range(G)], state=state)

@@ -99,6 +99,21 @@ def _next_tokens(model, core, ids, ctx, cfg: RolloutConfig, u: torch.Tensor):
     return picked[0].long(), picked[1]
 
 
+def start(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayConfig, index: int, state):
+    """What sampling one prompt begins with: (the model's core, the prompt state: `state`, or captured now
+    from prompt[:-1] without autograd, its context-parallel layout, the generator keyed by (seed, index))."""
+    from longstraw_mcore.parallel.cp import CPLayout
+    from longstraw_mcore.replay.engine import capture
+
+    core = core_of(model)
+    check_prompt(prompt, cfg, core.model_cfg.vocab_size, f"prompt {index}")
+    if state is None:
+        device = next(core.parameters()).device
+        state = capture(model, torch.tensor([prompt[:-1]], device=device),
+                        ReplayConfig(mode="detached", chunk_len=replay.chunk_len))
+    return core, state, CPLayout.of(core.cp_group), torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
+
+
 @torch.no_grad()
 def sample_group(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayConfig, index: int = 0,
                  state=None, prefixes: list[list[int]] | None = None) -> SampledGroup:
@@ -107,18 +122,9 @@ def sample_group(model, prompt: list[int], cfg: RolloutConfig, replay: ReplayCon
     `prefixes`: each branch's response so far, of one length (a multi-turn episode's earlier turns and
     tool outputs: tasks/tool_lookup.py): sampling continues after them, the responses returned whole,
     the log-probs of the sampled tokens only."""
-    from longstraw_mcore.parallel.cp import CPLayout
     from longstraw_mcore.prompt_state.contexts import ReplayContext
-    from longstraw_mcore.replay.engine import capture
 
-    core = core_of(model)
-    check_prompt(prompt, cfg, core.model_cfg.vocab_size, f"prompt {index}")
-    device = next(core.parameters()).device
-    if state is None:
-        state = capture(model, torch.tensor([prompt[:-1]], device=device),
-                        ReplayConfig(mode="detached", chunk_len=replay.chunk_len))
-    layout = CPLayout.of(core.cp_group)
-    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
+    core, state, layout, gen = start(model, prompt, cfg, replay, index, state)
     if prefixes is not None and (len(prefixes) != cfg.group_size or len({len(p) for p in prefixes}) != 1
                                  or cfg.branch_at):
         raise ValueError(f"sample_group: prefixes must be {cfg.group_size} lists of one length, without "

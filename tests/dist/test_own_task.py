@@ -168,3 +168,13 @@ def test_bad_input_exit_2_one_line(key_recall, tmp_path, capsys, case):
     import torch.distributed as dist
 
     assert not dist.is_initialized()   # refused before any process group
+
+
+def test_overrides_anywhere_among_the_options():
+    """key=value overrides may sit between options (argparse alone refuses a second run of them)."""
+    from longstraw_mcore.cli import build_parser, parse
+
+    args = parse(build_parser(), ["train", "--online", "a.b=1", "--reward", "m:f", "--steps", "3", "c.d=2"])
+    assert args.overrides == ["a.b=1", "c.d=2"] and args.reward == ["m:f"] and args.steps == 3
+    with pytest.raises(SystemExit):
+        parse(build_parser(), ["train", "--online", "--steps", "3", "--no-such-flag"])
