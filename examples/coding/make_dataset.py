@@ -6,12 +6,14 @@
 A row's prompt is a small Python package (a few modules, "# file: pkg/NAME.py" blocks; functions that
 call functions of later modules through imports; identifiers from a small word list), then
 
-    What does NAME(0) return?
+    What does NAME('a') return?
     Answer:
 
-The answer is one digit 1..8, and that digit is the only digit 1..9 anywhere in the prompt: it sits in
-the last function of the call chain NAME starts (`return 5` or `return x + 5`); every other function
-returns x, a string of letters or another function's result. So this is key recall in code form: a
+The answer is one digit 1..8, and that digit is the only digit anywhere in the prompt: it sits in the
+last function of the call chain NAME starts (`return 5`); every other function returns x, a string of
+letters or another function's result. (The input is a letter, not a number: a digit in the question,
+right before the answer, was a second digit for the model to copy, next to the answer's position;
+with it the demo did not leave chance.) So this is key recall in code form: a
 model that finds the one digit literal and copies it scores 1; a policy that ignores the prompt scores
 1/8 in expectation (chance). Following the calls is what a model that reads code would do, and the
 reward (examples/coding/reward.py) really runs the code, but the task does not need more than the copy.
@@ -23,7 +25,7 @@ from one to three over the first R / 2 (a length curriculum for the
 dataset path with dataset.shuffle=false); held-out rows always use the full range.
 
 Writes DIR/train.jsonl, DIR/heldout.jsonl, rows {"prompt": ..., "files": {path: source},
-"function": "pkg.NAME.FUNC", "input": 0, "answer": "5"}, and DIR/tokenizer: byte-level BPE
+"function": "pkg.NAME.FUNC", "input": "a", "answer": "5"}, and DIR/tokenizer: byte-level BPE
 (tasks/tokenizer_build.train_bpe, --vocab tokens, each digit one token, EOS "<|endoftext|>") trained on
 generated rows (their own stream, not the training rows).
 """
@@ -41,6 +43,7 @@ NAME_WORDS = ("red", "blue", "green", "cold", "warm", "fast", "slow", "tall", "a
               "cloud", "tiger", "lemon", "queen", "robot", "paper", "honey", "wolf", "mint")
 EOS = "<|endoftext|>"
 MAX_FUNCS, MAX_DEPTH = 3, 3   # functions per module; functions in the answer's call chain
+INPUT = "a"                   # the argument the question asks about (no digit)
 
 
 def make_row(rng: random.Random, n_modules: int, max_funcs: int = MAX_FUNCS) -> dict:
@@ -55,7 +58,7 @@ def make_row(rng: random.Random, n_modules: int, max_funcs: int = MAX_FUNCS) -> 
     chain = sorted(rng.sample(range(F), rng.randint(1, min(MAX_DEPTH, F))))
     answer = rng.randint(1, 8)
     body = {f: f"{names[g]}(x)" for f, g in zip(chain, chain[1:])}
-    body[chain[-1]] = rng.choice([f"{answer}", f"x + {answer}"])
+    body[chain[-1]] = f"{answer}"
     for f in range(F):
         if f not in body:
             later = range(f + 1, F)
@@ -75,10 +78,10 @@ def make_row(rng: random.Random, n_modules: int, max_funcs: int = MAX_FUNCS) -> 
         files[f"pkg/{mod}.py"] = head + ("\n" if head else "") + defs
     name = names[chain[0]]
     prompt = "".join(f"# file: {path}\n{src}\n" for path, src in files.items())
-    prompt += f"What does {name}(0) return?\nAnswer: "
-    digits = sorted(c for c in prompt if c.isdigit())
-    assert digits == sorted(["0", str(answer)]), digits   # the answer's digit once, the question's 0
-    return {"prompt": prompt, "files": files, "function": f"pkg.{mods[owner[chain[0]]]}.{name}", "input": 0,
+    prompt += f"What does {name}({INPUT!r}) return?\nAnswer: "
+    digits = [c for c in prompt if c.isdigit()]
+    assert digits == [str(answer)], digits   # the answer's digit, once
+    return {"prompt": prompt, "files": files, "function": f"pkg.{mods[owner[chain[0]]]}.{name}", "input": INPUT,
             "answer": str(answer)}
 
 

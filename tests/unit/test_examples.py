@@ -148,7 +148,7 @@ def test_coding_reward_runs_the_code(tmp_path):
         a = row["answer"]
         assert a in "12345678" and [c for c in row["prompt"] if c in "123456789"] == [a]
         assert row["prompt"] == "".join(f"# file: {p}\n{s}\n" for p, s in row["files"].items()) + \
-            f"What does {row['function'].rsplit('.', 1)[1]}(0) return?\nAnswer: "
+            f"What does {row['function'].rsplit('.', 1)[1]}('a') return?\nAnswer: "
         p = ids(tok, row["prompt"])
         assert tok.decode(p) == row["prompt"] and p.count(ids(tok, a)[0]) == 1 and len(ids(tok, a)) == 1
         wrong = str(int(a) % 8 + 1)
