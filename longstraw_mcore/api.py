@@ -86,11 +86,18 @@ class Session:
         return sample_group(self.ddp.module, list(prompt), rcfg, self.cfg.replay, index=index, state=state)
 
     def step(self, groups) -> dict:
-        """One optimizer step on this data-parallel rank's prompt groups (data/rollouts.RolloutGroup, or the
-        rollouts file's dicts); returns the step's metrics (the same on every rank)."""
+        """One optimizer step on this data-parallel rank's train.groups_per_step prompt groups
+        (data/rollouts.RolloutGroup, or the rollouts file's dicts); returns the step's metrics (the same on
+        every rank)."""
         from longstraw_mcore.commands.preflight import check_groups
         from longstraw_mcore.data.rollouts import RolloutGroup, parse_group
 
+        n = self.cfg.train.groups_per_step
+        if len(groups) != n:
+            from longstraw_mcore.config import ConfigError
+
+            raise ConfigError(f"Session.step: {len(groups)} groups; a step takes train.groups_per_step={n} per "
+                              "data-parallel rank (each is scaled by 1/groups_per_step)")
         groups = [parse_group(_as_row(g) if isinstance(g, RolloutGroup) else g, i, self.cfg.model.vocab_size)
                   for i, g in enumerate(groups)]   # the rollouts file's checks
         check_groups(self.cfg, groups, has_ref_model=self.trainer.ref_model is not None)
