@@ -29,7 +29,6 @@ class Sampled:
     logprobs: list[list[float]]
     loss_masks: list[list[int]] | None = None
     env_rewards: list[float] | None = None
-    truncated: int = 0
     state: object = None
 
 
@@ -107,8 +106,7 @@ class TextTask:
         for kind, n in fails.items():
             self.stats[f"env_failures/{kind}"] += n
         self.stats["episodes_truncated"] += ep.truncated
-        return Sampled(row_index, list(prompt), ep.responses, ep.logprobs, ep.loss_masks, reward, ep.truncated,
-                       ep.state)
+        return Sampled(row_index, list(prompt), ep.responses, ep.logprobs, ep.loss_masks, reward, ep.state)
 
     # --- scoring -----------------------------------------------------------------------------------
 
