@@ -158,6 +158,11 @@ class OpsConfig:
     gdn: Literal["auto", "plain", "fla"] = "auto"
     """Gated DeltaNet: auto takes flash-linear-attention for CUDA bf16/fp16 where installed (the gpu extra),
     the plain-torch chunked rule otherwise; plain / fla force one."""
+    dsa: Literal["auto", "plain", "triton"] = "auto"
+    """GLM's DSA indexer top-k and sparse MLA attention: auto takes the project's Triton kernels
+    (ops/dsa_triton_indexer.py, ops/dsa_triton_mla.py) for CUDA bf16/fp16/fp32, the plain-torch twins
+    (ops/dsa.py) otherwise; plain / triton force one (triton errors where it cannot run; on CPU it runs
+    under Triton's interpreter, TRITON_INTERPRET=1)."""
 
     def __post_init__(self):
         check_choices(self, "ops")

@@ -15,6 +15,10 @@ run's choice (`ops.*` in a run config, applied by `configure`):
                 (ops/gated_delta.py) otherwise; plain: the twins; fla: fla, and an error naming the
                 reason where it cannot run. On CPU, fla runs only forced and under Triton's
                 interpreter (ops/triton_interpret.py: the tests that hold it to the twins)
+    dsa         GLM's DSA indexer top-k and sparse MLA attention. auto: the project's Triton kernels
+                (ops/dsa_triton_indexer.py, ops/dsa_triton_mla.py) for CUDA bf16 / fp16 / fp32, the
+                plain twins (ops/dsa.py) otherwise; plain: the twins; triton: the kernels, and an error
+                naming the reason where they cannot run (on CPU: only under Triton's interpreter)
 
 `override(attention="plain")` switches for a block (tests, benchmarks comparing kernels).
 `kernels_run()` counts the calls each op made to each kernel in this process since `reset_kernels()`
@@ -26,8 +30,10 @@ from __future__ import annotations
 import dataclasses
 from contextlib import contextmanager
 
+import torch
+
 from longstraw_mcore.config import OpsConfig
-from longstraw_mcore.ops import block_attention, fla_gdn, flash_attention, gated_delta
+from longstraw_mcore.ops import block_attention, dsa, fla_gdn, flash_attention, gated_delta
 from longstraw_mcore.ops.kernel_choice import attention_kernel_name
 
 _choice = OpsConfig()
@@ -45,7 +51,7 @@ def reset_kernels() -> None:
 
 def kernels_run() -> dict[str, dict[str, int]]:
     """{op: {kernel: calls}} since the last `reset_kernels()`: attention {flash | plain},
-    gdn_rule and gdn_conv {fla | plain}."""
+    gdn_rule and gdn_conv {fla | plain}, dsa_indexer and dsa_attention {triton | plain}."""
     return {op: dict(per) for op, per in sorted(_runs.items())}
 
 
@@ -101,3 +107,47 @@ def gdn_kernel(v, key_dim: int):
 def conv_kernel(x):
     """The module whose `causal_conv1d` runs Gated DeltaNet's conv over inputs `x`."""
     return _gdn("gdn_conv", x, None)
+
+
+def _dsa_missing(x) -> str | None:
+    """Why the DSA kernels cannot run on tensors like `x` here, or None."""
+    import importlib.util
+
+    from longstraw_mcore.ops import triton_interpret
+
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"tensors are {x.dtype} (the kernels run fp32 / bf16 / fp16; float64 runs the twin)"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if x.device.type == "cpu" and not triton_interpret.active():
+        return "tensors are on the CPU and Triton is not interpreting (TRITON_INTERPRET=1 runs the kernels on CPU)"
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        return "bf16 on the CPU (Triton's interpreter does not emulate bf16 arithmetic: ops/triton_interpret.py)"
+    if x.device.type not in ("cpu", "cuda"):
+        return f"tensors are on {x.device.type}"
+    return None
+
+
+def dsa_kernel(x, op: str):
+    """The module whose `indexer_topk` (op "dsa_indexer") or `mla_sparse` / `mla_sparse_partial` (op
+    "dsa_attention") runs for tensors like `x` (the queries)."""
+    c = _choice.dsa
+    if c == "plain":
+        why = "ops.dsa=plain"
+    elif c == "auto" and x.device.type != "cuda":
+        why = "auto takes the kernels on CUDA only"
+    else:
+        why = _dsa_missing(x)
+    if c == "triton" and why is not None:
+        raise ValueError(f"ops.dsa=triton cannot run here: {why} (use ops.dsa=auto or plain)")
+    _record(op, "plain" if why else "triton")
+    if why:
+        return dsa
+    from longstraw_mcore.ops import triton_interpret
+
+    triton_interpret.install()
+    if op == "dsa_indexer":
+        from longstraw_mcore.ops import dsa_triton_indexer as mod
+    else:
+        from longstraw_mcore.ops import dsa_triton_mla as mod
+    return mod

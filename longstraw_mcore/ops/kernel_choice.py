@@ -40,3 +40,16 @@ def gdn_kernel_name(choice: str, device: str, dtype: str) -> str:
     if choice == "plain":
         return "plain"
     return "fla" if choice == "fla" or (device == "cuda" and dtype in FLA_DTYPES) else "plain"
+
+
+DSA_DTYPES = ("bfloat16", "float16", "float32")
+"""The dtypes the DSA kernels take (ops/dsa_triton_*.py); float64 is the twins'."""
+
+
+def dsa_kernel_name(choice: str, device: str, dtype: str) -> str:
+    """"triton" or "plain": what ops.dsa's `choice` (auto / plain / triton) runs on `device` in `dtype`, as
+    ops/dispatch.dsa_kernel would where Triton is installed (the dispatch checks that on the tensors):
+    auto takes the kernels for CUDA bf16 / fp16 / fp32."""
+    if choice == "plain":
+        return "plain"
+    return "triton" if choice == "triton" or (device == "cuda" and dtype in DSA_DTYPES) else "plain"

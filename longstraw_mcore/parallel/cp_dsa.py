@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from longstraw_mcore.ops.dsa import indexer_topk, mla_sparse_partial
+from longstraw_mcore.ops.dispatch import dsa_kernel
 from longstraw_mcore.parallel.cp import CPLayout
 from longstraw_mcore.parallel.cp_comm import GatherHeads, GatherTokens, LocalHeads, LocalRows, gather_tokens, lse_merge
 
@@ -56,8 +56,13 @@ def cp_select(vals: torch.Tensor, pos: torch.Tensor, k: int, layout):
     every_p = [torch.empty_like(pos) for _ in range(layout.size)]
     dist.all_gather(every_v, vals.contiguous(), group=layout.group)
     dist.all_gather(every_p, pos.contiguous(), group=layout.group)
-    vals, pos = torch.cat(every_v, -1), torch.cat(every_p, -1)
-    # best first, ties to the earlier position: order by position, then a stable sort by score
+    return merge_proposals(torch.cat(every_v, -1), torch.cat(every_p, -1), k)
+
+
+def merge_proposals(vals: torch.Tensor, pos: torch.Tensor, k: int):
+    """The ranks' proposals side by side (scores [B, T, n k], -inf invalid; global positions) -> the best k
+    (positions, scores): best first, ties to the earlier position (order by position, then a stable sort
+    by score)."""
     by_pos = torch.sort(torch.where(vals > float("-inf"), pos, torch.iinfo(pos.dtype).max), dim=-1,
                         stable=True).indices
     vals, pos = torch.gather(vals, -1, by_pos), torch.gather(pos, -1, by_pos)
@@ -81,7 +86,7 @@ def sharded_mla_sparse(q_nope, q_pe, c_kv, k_pe, key_pos, counted, w_uk, sel_pos
     lookup[kp] = rows
     loc = lookup[sel_pos.clamp(0, size)]
     mine = valid & (loc >= 0)
-    o, lse = mla_sparse_partial(q_nope, q_pe, c_kv, k_pe, w_uk, loc.clamp(min=0), mine, scale, query_block)
+    o, lse = dsa_kernel(q_nope, "dsa_attention").mla_sparse_partial(q_nope, q_pe, c_kv, k_pe, w_uk, loc.clamp(min=0), mine, scale, query_block)
     for group in levels:
         o, lse = lse_merge(o, lse, group)
     return o
@@ -114,7 +119,7 @@ def attend_latent_sharded(query, keys, own, tp_group, kv, layout: CPLayout | Non
             qi, wi = query.index
             if chunk is not None:
                 qi, wi = gather_tokens(qi, layout, chunk[0]), gather_tokens(wi, layout, chunk[0])
-            kr, vals = indexer_topk(qi, keys.ik, wi, q_pos, keys.pos, query.topk, query.block, keys.counted)
+            kr, vals = dsa_kernel(qi, "dsa_indexer").indexer_topk(qi, keys.ik, wi, q_pos, keys.pos, query.topk, query.block, keys.counted)
             sel = keys.pos[kr]
             for g in levels:
                 sel, vals = cp_select(vals, sel, query.topk, g)

@@ -133,17 +133,18 @@ class StateHooks:
         their gradient sums over TP) -> (out [B, T, h, Dv], the selection: rows of `keys`, valid)."""
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region as copy_to
 
-        from longstraw_mcore.ops.dsa import indexer_topk, mla_sparse
+        from longstraw_mcore.ops.dispatch import dsa_kernel
 
         selection = query.selection
         if query.index is not None:
             qi, wi = query.index
             with torch.no_grad():
-                rows, vals = indexer_topk(qi, keys.ik, wi, query.pos, keys.pos, query.topk, query.block)
+                rows, vals = dsa_kernel(qi, "dsa_indexer").indexer_topk(qi, keys.ik, wi, query.pos, keys.pos,
+                                                                         query.topk, query.block)
             selection = (rows, vals > float("-inf"))
         idx, valid = selection
         c, k_pe = copy_to(keys.c, group=tp_group), copy_to(keys.pe, group=tp_group)
-        return mla_sparse(query.q_nope, query.q_pe, c, k_pe, query.w_uk, query.w_uv, idx, valid, query.scale,
+        return dsa_kernel(query.q_nope, "dsa_attention").mla_sparse(query.q_nope, query.q_pe, c, k_pe, query.w_uk, query.w_uv, idx, valid, query.scale,
                           query.query_block), selection
 
     # Megatron's TransformerLayer/Block only query these under CUDA-graph inference; answer plainly.

@@ -1,0 +1,207 @@
+"""Sparse MLA attention as Triton kernels, forward and backward, behind the contracts of ops/dsa.py's
+`mla_sparse_partial` and `mla_sparse` (absorbed form: the queries in latent space, the latents read
+directly, the per-head K/V never expanded).
+
+    forward   a program takes one query and BH heads: it walks the query's k selected rows in blocks of
+              BK, gathers their latents c [BK, R] and RoPE keys pe [BK, Dr] inside the kernel, forms
+              the logits (q_abs . c + q_pe . pe) x scale in float32 and keeps an online softmax (running
+              max, sum, and the weighted latents [BH, R] in float32). Returns o_lat [B, T, H, R] (the
+              softmax-weighted latents over the valid selected rows) and lse [B, T, H] (float32, -inf
+              for a query with no valid row here, whose o_lat is 0), so context-parallel partials
+              merge by log-sum-exp as the twin's do (parallel/cp_dsa.py)
+    backward  recomputes each block's probabilities from lse (nothing [T, k] is stored) and, with
+              dD = rowsum(dO o_lat) per head, dS = P (dO . c - dD + dlse): the query gradients
+              dq_abs = scale dS c, dq_pe = scale dS pe (per program, no atomics), and where the latents
+              take a gradient (exact mode's leaves, a prefix-tree segment's or a branch's own rows)
+              dc += scale dS^T q_abs + P^T dO and dpe += scale dS^T q_pe, scatter-added into the
+              selected rows with atomics in float32 (many queries select the same row). Inputs that
+              need no gradient (a detached prompt state) get none: that part of the kernel is compiled
+              out. Atomics make the latents' gradient's last bits depend on the order the GPU runs
+              programs in (not under the interpreter, which runs them in order).
+
+q_abs = q_nope W_UK and o = o_lat W_UV stay outside (dense einsums, autograd's): the kernels see
+latent-space queries. Dtypes: float32 / bf16 / fp16 (float32 dots in IEEE float32, no TF32); float64
+is the twin's (ops/dispatch.dsa_kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BH = 16  # heads per program (tl.dot needs >= 16 rows; fewer heads are masked)
+BK = 16  # selected rows per step
+
+
+def _pow2(n: int, at_least: int = 16) -> int:
+    return max(at_least, triton.next_power_of_2(n))
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _fwd_kernel(qa_ptr, qp_ptr, c_ptr, pe_ptr, idx_ptr, valid_ptr, o_ptr, lse_ptr,
+                H, K, R, DR, scale,
+                sqa_b, sqa_t, sqa_h, sqp_b, sqp_t, sqp_h, sc_b, sc_s, spe_b, spe_s, si_b, si_t,
+                so_b, so_t, so_h, sl_b, sl_t,
+                RP: tl.constexpr, DRP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                IEEE: tl.constexpr):
+    t, hb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    r = tl.arange(0, RP)
+    r_ok = r < R
+    dr = tl.arange(0, DRP)
+    dr_ok = dr < DR
+    qa = tl.load(qa_ptr + b * sqa_b + t * sqa_t + h[:, None] * sqa_h + r[None, :], mask=h_ok[:, None] & r_ok[None, :],
+                 other=0.0)
+    qp = tl.load(qp_ptr + b * sqp_b + t * sqp_t + h[:, None] * sqp_h + dr[None, :],
+                 mask=h_ok[:, None] & dr_ok[None, :], other=0.0)
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, RP), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        j = k0 + tl.arange(0, BLOCK_K)
+        j_ok = j < K
+        v = (tl.load(valid_ptr + b * si_b + t * si_t + j, mask=j_ok, other=0) != 0) & j_ok
+        row = tl.load(idx_ptr + b * si_b + t * si_t + j, mask=v, other=0)
+        cs = tl.load(c_ptr + b * sc_b + row[:, None] * sc_s + r[None, :], mask=v[:, None] & r_ok[None, :], other=0.0)
+        ps = tl.load(pe_ptr + b * spe_b + row[:, None] * spe_s + dr[None, :], mask=v[:, None] & dr_ok[None, :],
+                     other=0.0)
+        logits = (_dot(qa, tl.trans(cs), IEEE) + _dot(qp, tl.trans(ps), IEEE)) * scale
+        logits = tl.where(v[None, :], logits, float("-inf"))
+        m_new = tl.maximum(m, tl.max(logits, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(logits - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(cs.dtype), cs, IEEE)
+        m = m_new
+    some = l > 0
+    lse = tl.where(some, m + tl.log(tl.where(some, l, 1.0)), float("-inf"))
+    o = acc / tl.where(some, l, 1.0)[:, None]
+    tl.store(o_ptr + b * so_b + t * so_t + h[:, None] * so_h + r[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & r_ok[None, :])
+    tl.store(lse_ptr + b * sl_b + t * sl_t + h, lse, mask=h_ok)
+
+
+@triton.jit
+def _bwd_kernel(qa_ptr, qp_ptr, c_ptr, pe_ptr, idx_ptr, valid_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr,
+                dqa_ptr, dqp_ptr, dc_ptr, dpe_ptr,
+                H, K, R, DR, scale,
+                sqa_b, sqa_t, sqa_h, sqp_b, sqp_t, sqp_h, sc_b, sc_s, spe_b, spe_s, si_b, si_t,
+                so_b, so_t, so_h, sl_b, sl_t, sdc_b, sdc_s, sdpe_b, sdpe_s,
+                RP: tl.constexpr, DRP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                IEEE: tl.constexpr, HAS_DLSE: tl.constexpr, GRAD_C: tl.constexpr, GRAD_PE: tl.constexpr):
+    t, hb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    r = tl.arange(0, RP)
+    r_ok = r < R
+    dr = tl.arange(0, DRP)
+    dr_ok = dr < DR
+    hr = h_ok[:, None] & r_ok[None, :]
+    hd = h_ok[:, None] & dr_ok[None, :]
+    qa = tl.load(qa_ptr + b * sqa_b + t * sqa_t + h[:, None] * sqa_h + r[None, :], mask=hr, other=0.0)
+    qp = tl.load(qp_ptr + b * sqp_b + t * sqp_t + h[:, None] * sqp_h + dr[None, :], mask=hd, other=0.0)
+    o_off = b * so_b + t * so_t + h[:, None] * so_h + r[None, :]
+    o = tl.load(o_ptr + o_off, mask=hr, other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + o_off, mask=hr, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + b * sl_b + t * sl_t + h, mask=h_ok, other=float("-inf"))
+    some = lse > float("-inf")
+    lse_safe = tl.where(some, lse, 0.0)
+    dd = tl.sum(do * o, 1)
+    if HAS_DLSE:
+        dd = dd - tl.load(dlse_ptr + b * sl_b + t * sl_t + h, mask=h_ok, other=0.0)
+    dqa = tl.zeros((BLOCK_H, RP), tl.float32)
+    dqp = tl.zeros((BLOCK_H, DRP), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        j = k0 + tl.arange(0, BLOCK_K)
+        j_ok = j < K
+        v = (tl.load(valid_ptr + b * si_b + t * si_t + j, mask=j_ok, other=0) != 0) & j_ok
+        row = tl.load(idx_ptr + b * si_b + t * si_t + j, mask=v, other=0)
+        cs = tl.load(c_ptr + b * sc_b + row[:, None] * sc_s + r[None, :], mask=v[:, None] & r_ok[None, :], other=0.0)
+        ps = tl.load(pe_ptr + b * spe_b + row[:, None] * spe_s + dr[None, :], mask=v[:, None] & dr_ok[None, :],
+                     other=0.0)
+        logits = (_dot(qa, tl.trans(cs), IEEE) + _dot(qp, tl.trans(ps), IEEE)) * scale
+        p = tl.where(v[None, :] & some[:, None], tl.exp(logits - lse_safe[:, None]), 0.0)
+        dp = _dot(do.to(cs.dtype), tl.trans(cs), IEEE)
+        ds = p * (dp - dd[:, None])                                               # d logits (before scale)
+        dqa += _dot(ds.to(cs.dtype), cs, IEEE)
+        dqp += _dot(ds.to(ps.dtype), ps, IEEE)
+        if GRAD_C:
+            dcs = _dot(tl.trans(ds.to(qa.dtype)), qa, IEEE) * scale + _dot(tl.trans(p.to(cs.dtype)), do.to(cs.dtype), IEEE)
+            tl.atomic_add(dc_ptr + b * sdc_b + row[:, None] * sdc_s + r[None, :], dcs, mask=v[:, None] & r_ok[None, :])
+        if GRAD_PE:
+            dps = _dot(tl.trans(ds.to(qp.dtype)), qp, IEEE) * scale
+            tl.atomic_add(dpe_ptr + b * sdpe_b + row[:, None] * sdpe_s + dr[None, :], dps,
+                          mask=v[:, None] & dr_ok[None, :])
+    tl.store(dqa_ptr + b * sqa_b + t * sqa_t + h[:, None] * sqa_h + r[None, :], dqa * scale, mask=hr)
+    tl.store(dqp_ptr + b * sqp_b + t * sqp_t + h[:, None] * sqp_h + dr[None, :], dqp * scale, mask=hd)
+
+
+def _launch(q_abs, c):
+    B, T, H, R = q_abs.shape
+    return (T, triton.cdiv(H, BH), B), dict(RP=_pow2(R), BLOCK_H=BH, BLOCK_K=BK, IEEE=c.dtype == torch.float32,
+                                           num_warps=8 if R >= 256 else 4)
+
+
+class _SparsePartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_abs, q_pe, c, pe, idx, valid, scale):
+        q_abs, q_pe, c, pe = (x.contiguous() for x in (q_abs, q_pe, c, pe))
+        idx, valid = idx.contiguous(), valid.contiguous().to(torch.int8)
+        B, T, H, R = q_abs.shape
+        K, DR = idx.shape[-1], q_pe.shape[-1]
+        o = torch.empty(B, T, H, R, dtype=c.dtype, device=c.device)
+        lse = torch.empty(B, T, H, dtype=torch.float32, device=c.device)
+        if T and H:
+            grid, meta = _launch(q_abs, c)
+            _fwd_kernel[grid](q_abs, q_pe, c, pe, idx, valid, o, lse, H, K, R, DR, scale,
+                              *q_abs.stride()[:3], *q_pe.stride()[:3], c.stride(0), c.stride(1), pe.stride(0),
+                              pe.stride(1), idx.stride(0), idx.stride(1), *o.stride()[:3], lse.stride(0), lse.stride(1),
+                              DRP=_pow2(DR), **meta)
+        ctx.save_for_backward(q_abs, q_pe, c, pe, idx, valid, o, lse)
+        ctx.scale = scale
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q_abs, q_pe, c, pe, idx, valid, o, lse = ctx.saved_tensors
+        B, T, H, R = q_abs.shape
+        K, DR = idx.shape[-1], q_pe.shape[-1]
+        grad_c, grad_pe = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        do = torch.zeros_like(o) if do is None else do.contiguous()
+        dqa, dqp = torch.empty_like(q_abs), torch.empty_like(q_pe)
+        dc = torch.zeros(c.shape, dtype=torch.float32, device=c.device) if grad_c else dqa
+        dpe = torch.zeros(pe.shape, dtype=torch.float32, device=c.device) if grad_pe else dqa
+        if T and H:
+            grid, meta = _launch(q_abs, c)
+            _bwd_kernel[grid](q_abs, q_pe, c, pe, idx, valid, o, lse, do, dlse.contiguous() if dlse is not None else lse,
+                              dqa, dqp, dc, dpe, H, K, R, DR, ctx.scale,
+                              *q_abs.stride()[:3], *q_pe.stride()[:3], c.stride(0), c.stride(1), pe.stride(0),
+                              pe.stride(1), idx.stride(0), idx.stride(1), *o.stride()[:3], lse.stride(0), lse.stride(1),
+                              dc.stride(0), dc.stride(1), dpe.stride(0), dpe.stride(1),
+                              DRP=_pow2(DR), HAS_DLSE=dlse is not None, GRAD_C=grad_c, GRAD_PE=grad_pe, **meta)
+        return (dqa, dqp, dc.to(c.dtype) if grad_c else None, dpe.to(pe.dtype) if grad_pe else None,
+                None, None, None)
+
+
+def mla_sparse_partial(q_nope, q_pe, c_kv, k_pe, w_uk, idx, valid, scale: float,
+                       query_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops/dsa.mla_sparse_partial's contract: (o_lat [B, T, H, R], lse [B, T, H] float32). `query_block`
+    is the twin's memory bound (its gathered latents); the kernel gathers none, so it does not apply."""
+    q_abs = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)
+    return _SparsePartial.apply(q_abs, q_pe, c_kv, k_pe, idx, valid, scale)
+
+
+def mla_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, valid, scale: float, query_block: int = 0) -> torch.Tensor:
+    """ops/dsa.mla_sparse's contract: [B, T, H, Dv]."""
+    o_lat, _ = mla_sparse_partial(q_nope, q_pe, c_kv, k_pe, w_uk, idx, valid, scale)
+    return torch.einsum("bthr,hvr->bthv", o_lat, w_uv)
