@@ -1,25 +1,31 @@
 #!/usr/bin/env bash
 # The GPU check: one prepared run on one CUDA GPU, at most 9 minutes (every step has its own time limit,
 # and the limits add up to 535 s), that decides whether the fast path runs, equals the twins, and how fast
-# the Qwen3.6-27B shape goes. Each step logs to OUT/<step>.log and leaves JSON where it measures
+# the Qwen3.6-27B and GLM-5.2 shapes go. Each step logs to OUT/<step>.log and leaves JSON where it measures
 # something; OUT/summary.txt lists every step with ok / FAILED / TIMEOUT and its seconds.
 #   1 kernels          tests/gpu: flash-linear-attention's rule and causal conv against the twins in bf16 and
 #                      float32 at the 27B head shapes (outputs, states, every gradient incl. the state ones;
 #                      the decisive check of fla's backward on Hopper, fla issue #640), torch's flash
-#                      attention against its twin, the CUDA twins against the CPU                     [75 s]
+#                      attention against its twin, the CUDA twins against the CPU, the DSA kernels (indexer
+#                      top-k, sparse MLA forward + backward) against their twins at GLM-5.2's head shapes [90 s]
 #   2 validate_fla     `longstraw validate`, tiny model with Gated DeltaNet key dim 128, float32, exact mode,
 #                      a prefix-tree group: ops.gdn=fla against ops.gdn=plain (tools/compare_validate.py;
-#                      fla's float32 dots are TF32) -> validate_fla.json                              [60 s]
+#                      fla's float32 dots are TF32) -> validate_fla.json                              [50 s]
 #   3 validate_f64     `longstraw validate`, tiny, float64, exact, on CUDA and on the CPU from the same weights,
-#                      compared to 1e-10 normwise -> validate_compare.json                            [60 s]
+#                      compared to 1e-10 normwise -> validate_compare.json                            [50 s]
 #   4 ladder           tools/bench_ladder.py: Qwen3.6-27B at full depth (64 layers, random weights, the NF4
 #                      QLoRA r16 base of configs/published/qwen3.6-27b-qlora-2m-8xh20-96gb.yaml at tp=1,
 #                      defaults otherwise: fla, flash attention, batched branches), R=1K, G=8: detached over
-#                      P=32K..2M while each next point is predicted to fit 130 s, exact over 16K..256K within
-#                      50 s: tokens/s and TFLOP/s per phase against 989, peak memory against the plan, the
-#                      planner's largest fitting prompt -> ladder_27b.json                            [250 s]
+#                      P=32K..2M while each next point is predicted to fit 120 s, exact over 16K..256K within
+#                      45 s: tokens/s and TFLOP/s per phase against 989, peak memory against the plan, the
+#                      planner's largest fitting prompt -> ladder_27b.json                            [190 s]
 #   5 vs_transformers  side by side with transformers on the same weights (transformers with fla: its own fast
-#                      path), configs/bench-hybrid-256.yaml, bf16, P=16K, R=1K, G=8 -> vs_transformers.json [90 s]
+#                      path), configs/bench-hybrid-256.yaml, bf16, P=16K, R=1K, G=8 -> vs_transformers.json [75 s]
+#   6 glm              GLM's DSA kernels: `longstraw validate` on the tiny GLM (4 layers, float32, exact, a
+#                      prefix-tree group) ops.dsa=triton against ops.dsa=plain -> validate_glm.json; then
+#                      tools/bench_ladder.py at GLM-5.2's width (4 layers: 3 dense + 1 MoE of 16 experts, bf16,
+#                      the kernels), R=1K, G=8, detached over P=8K..128K within 35 s, exact 8K..32K within
+#                      15 s: tokens/s and TFLOP/s per phase, peak against the plan -> ladder_glm.json   [80 s]
 # Usage:
 #   bash scripts/gpu_check.sh [OUT]                  on the CUDA machine (OUT defaults to $OUT, or runs/gpu_check)
 #   bash scripts/gpu_check.sh --all [OUT]            also the earlier lease's steps after these (smoke, train with a
@@ -99,10 +105,11 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torc
 
 # 1 kernels
 if [ "$dev" = cuda ]; then
-  step kernels 75 $py -m pytest -q -s -p no:cacheprovider tests/gpu tests/unit/test_cpu_compat.py \
+  step kernels 90 $py -m pytest -q -s -p no:cacheprovider tests/gpu tests/unit/test_cpu_compat.py \
     tests/unit/test_attention_entry.py tests/unit/test_block_attention.py
 else
-  step kernels 75 $py -m pytest -q -s -p no:cacheprovider tests/unit/test_fla_interpreter.py tests/gpu
+  step kernels 90 $py -m pytest -q -s -p no:cacheprovider tests/unit/test_fla_interpreter.py \
+    tests/unit/test_dsa_interpreter.py tests/gpu
 fi
 
 # 2 validate_fla: the tiny hybrid with 2 layers (Gated DeltaNet + attention), float32, a prefix-tree group
@@ -132,7 +139,7 @@ validate_fla() {
     && $py -c 'import json, sys; k = json.load(open(sys.argv[1]))["kernels"]; print("kernels", k)
 assert set(k["gdn_rule"]) == {"fla"} and set(k["gdn_conv"]) == {"fla"}, k' "$work/val_fla/receipt.json"
 }
-step validate_fla 60 validate_fla
+step validate_fla 50 validate_fla
 
 # 3 validate_f64: CUDA against the CPU (the rehearsal: the CPU run alone)
 $py tools/make_hf_model.py "$work/hf" --config $tiny model.dtype=float64 > /dev/null
@@ -148,13 +155,13 @@ validate_f64() {
     && $py tools/compare_validate.py "$work/validate_cuda" "$work/validate_cpu" --tol 1e-10 --tol-own 1e-6 \
       --json "$out/validate_compare.json"
 }
-step validate_f64 60 validate_f64
+step validate_f64 50 validate_f64
 
 # 4 ladder: the 27B shape at full depth (the rehearsal: the tiny model, fla under the interpreter)
 if [ "$dev" = cuda ]; then
-  step ladder 250 $py tools/bench_ladder.py --config configs/published/qwen3.6-27b-qlora-2m-8xh20-96gb.yaml \
+  step ladder 190 $py tools/bench_ladder.py --config configs/published/qwen3.6-27b-qlora-2m-8xh20-96gb.yaml \
     --prompt-lens 32768,131072,524288,1048576,2097152 --response-len 1024 --group-size 8 \
-      --budget-s 130 --exact-prompt-lens 16384,65536,262144 --exact-budget-s 50 --peak-tflops 989.4 \
+      --budget-s 120 --exact-prompt-lens 16384,65536,262144 --exact-budget-s 45 --peak-tflops 989.4 \
     --out "$out/ladder_27b.json" parallel.tp=1 device=cuda
 else
   step ladder 75 $interp $py tools/bench_ladder.py --config $tiny --prompt-lens 64,128,100000 \
@@ -165,13 +172,47 @@ fi
 
 # 5 vs_transformers: the side by side (the rehearsal: tiny, the twins)
 if [ "$dev" = cuda ]; then
-  step vs_transformers 90 $py tools/bench_replay.py --vs-transformers --config configs/bench-hybrid-256.yaml \
+  step vs_transformers 75 $py tools/bench_replay.py --vs-transformers --config configs/bench-hybrid-256.yaml \
     --prompt-lens 16384 --response-lens 1024 --group-sizes 8 --hf-full-copies 1 --out "$out/vs_transformers.json" \
     device=cuda model.dtype=bfloat16
 else
-  step vs_transformers 90 $py tools/bench_replay.py --vs-transformers --config configs/bench-hybrid-256.yaml \
+  step vs_transformers 75 $py tools/bench_replay.py --vs-transformers --config configs/bench-hybrid-256.yaml \
     --prompt-lens 256 --response-lens 16 --group-sizes 2 --out "$out/vs_transformers.json" device=cpu
 fi
+
+# 6 glm: the DSA kernels against the twins through `validate` (the tiny GLM, 4 layers: three full indexer
+# layers and a shared one, top-k 8 of a 40-token prompt), then GLM-5.2's width on the kernels
+$py tools/make_hf_model.py "$work/hf_glm" --config configs/glm-5.2-tiny.yaml --seed 3 model.num_layers=4 > /dev/null
+$py - "$work/tree_glm.jsonl" <<'PY'
+import random, sys
+from longstraw_mcore.data.rollouts import RolloutGroup, write_rollouts
+rng = random.Random(3)
+tok = lambda n: [rng.randrange(256) for _ in range(n)]
+a = tok(4)
+write_rollouts(sys.argv[1], [RolloutGroup(prompt=tok(40), responses=[a + tok(5), a + tok(3), tok(6), tok(7)],
+                                          rewards=[0.1, 0.9, 0.4, 0.7])])
+PY
+glm_check() {
+  rm -rf "$work/glm_plain" "$work/glm_triton"
+  local v=(validate --hf "$work/hf_glm" --rollouts "$work/tree_glm.jsonl" --mode exact --dump-grads)
+  local o=(device=$dev model.dtype=float32 replay.chunk_len=16)
+  $lt "${v[@]}" --out "$work/glm_plain" "${o[@]}" ops.dsa=plain \
+    && $interp $lt "${v[@]}" --out "$work/glm_triton" "${o[@]}" ops.dsa=triton \
+    && $py tools/compare_validate.py "$work/glm_triton" "$work/glm_plain" --tol 1e-4 --json "$out/validate_glm.json" \
+    && $py -c 'import json, sys; k = json.load(open(sys.argv[1]))["kernels"]; print("kernels", k)
+assert set(k["dsa_indexer"]) == {"triton"} and set(k["dsa_attention"]) == {"triton"}, k' "$work/glm_triton/receipt.json" \
+    || return 1
+  if [ "$dev" = cuda ]; then
+    $py tools/bench_ladder.py --config configs/glm-5.2.yaml --prompt-lens 8192,32768,131072 --response-len 1024 \
+      --group-size 8 --budget-s 35 --exact-prompt-lens 8192,32768 --exact-budget-s 15 --peak-tflops 989.4 \
+      --out "$out/ladder_glm.json" model.num_layers=4 model.n_routed_experts=16 parallel.ep=1 device=cuda
+  else
+    $interp $py tools/bench_ladder.py --config configs/glm-5.2-tiny.yaml --prompt-lens 48,96 --response-len 4 \
+      --group-size 2 --budget-s 30 --exact-prompt-lens 48 --exact-budget-s 30 --peak-tflops 1 --warmup-prompt 24 \
+      --out "$out/ladder_glm.json" model.num_layers=4 model.dtype=float32 ops.dsa=triton device=cpu
+  fi
+}
+step glm 80 glm_check
 
 if [ "$all" = 1 ]; then  # the earlier lease's steps (bench_results/h200_gpu_check_20261204)
   step smoke 120 $lt smoke --config $tiny --steps 2 --seq-len 256 device=$dev model.dtype=bfloat16
