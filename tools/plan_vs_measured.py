@@ -2,7 +2,9 @@
 """The memory planner against measurement: the step's peak above the parameters, planned
 (planner/memory.step_peak_bytes) and measured, per point; prints a table and writes JSON.
 
-  python tools/plan_vs_measured.py [--points cpu,h200] [--out plan_vs_measured.json]
+  python tools/plan_vs_measured.py [--points cpu,h200] [--only SUBSTRING] [--out plan_vs_measured.json]
+
+`--only`: the points whose name contains SUBSTRING only (e.g. `--only glm`: the CPU set takes long).
 
 What both count: the bytes a replay step allocates on top of the parameters at its worst moment, with
 the model's gradients as plain `.grad` tensors (no DDP; as tools/bench_replay.py runs it): gradients,
@@ -341,19 +343,26 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--points", default="cpu,h200", help="comma-separated: cpu, h200, cuda (the memory-switch "
                    "points measured on this machine's GPU, one rank)")
+    p.add_argument("--only", default="", help="only the points whose name contains this substring")
     p.add_argument("--out", default="plan_vs_measured.json")
     a = p.parse_args(argv)
     wanted = set(a.points.split(","))
     if not wanted <= {"cpu", "h200", "cuda"}:
         p.error(f"--points {a.points!r}: choose from cpu, h200, cuda")
-    rows = (h200_rows() if "h200" in wanted else []) + (cpu_rows() if "cpu" in wanted else []) + \
-        (cpu_rows(SWITCH_POINTS, "cuda", 1) if "cuda" in wanted else [])
+
+    def only(points):
+        return [pt for pt in points if a.only in pt[0]]
+    rows = ([r for r in h200_rows() if a.only in r["name"]] if "h200" in wanted else []) + \
+        (cpu_rows(only(CPU_POINTS)) if "cpu" in wanted and only(CPU_POINTS) else []) + \
+        (cpu_rows(only(SWITCH_POINTS), "cuda", 1) if "cuda" in wanted and only(SWITCH_POINTS) else [])
+    if not rows:
+        p.error(f"--only {a.only!r}: no point's name contains it")
     for r in rows:
         r["ratio"] = r["planned_bytes"] / r["measured_bytes"]
         if r.get("measured_host_bytes"):
             r["host_ratio"] = r["planned_host_bytes"] / r["measured_host_bytes"]
     print(table(rows))
-    opt_rows = optimizer_rows() if "cpu" in wanted else []
+    opt_rows = optimizer_rows(only(OPTIMIZER_POINTS)) if "cpu" in wanted and only(OPTIMIZER_POINTS) else []
     if opt_rows:
         print(optimizer_table(opt_rows))
     worst = max(abs(r["ratio"] - 1) for r in rows)

@@ -9,16 +9,26 @@ from __future__ import annotations
 from longstraw_mcore.checkpoint import glm_dsa as checkpoint
 from longstraw_mcore.config import GlmDsaConfig
 from longstraw_mcore.families.record import Family
-from longstraw_mcore.planner.activations import glm_layer_bytes, index_bytes, rms_norm_bytes
+from longstraw_mcore.ops.kernel_choice import dsa_kernel_name
+from longstraw_mcore.planner.activations import (glm_layer_bytes, index_bytes, mla_backward_scratch, mla_checkpoints,
+                                                 rms_norm_bytes)
 from longstraw_mcore.planner.flops_mla import MLADSAFlops
 from longstraw_mcore.prompt_state.kinds import LayerKind
 from longstraw_mcore.prompt_state.mla import MLAIndexerState, MLALatentState
 
+
+
+def dsa_kernel(ops, device: str, dtype: str) -> str:
+    """The DSA kernels ops.dsa runs on `device` (the planner's memory terms follow them)."""
+    return dsa_kernel_name(ops.dsa, device, dtype)
+
+
+_PLANNER = dict(activation_bytes=glm_layer_bytes, norm_bytes=rms_norm_bytes, backward_scratch=mla_backward_scratch,
+                kernel_name=dsa_kernel, checkpoints=mla_checkpoints)
 LAYERS = {
-    "mla_dsa_full": LayerKind(state=MLAIndexerState, activation_bytes=glm_layer_bytes, norm_bytes=rms_norm_bytes,
-                              flops=MLADSAFlops(indexer=True), scratch_bytes=index_bytes),
-    "mla_dsa_shared": LayerKind(state=MLALatentState, activation_bytes=glm_layer_bytes, norm_bytes=rms_norm_bytes,
-                                flops=MLADSAFlops(indexer=False)),
+    "mla_dsa_full": LayerKind(state=MLAIndexerState, flops=MLADSAFlops(indexer=True), scratch_bytes=index_bytes,
+                              **_PLANNER),
+    "mla_dsa_shared": LayerKind(state=MLALatentState, flops=MLADSAFlops(indexer=False), **_PLANNER),
 }
 
 

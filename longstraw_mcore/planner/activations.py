@@ -25,7 +25,9 @@ bf16/fp32 models, float64 for float64), Hd hidden, local heads (/tp) throughout.
                      softmax in s and its cast, the latent-space output, the output projection's input
                      (the indexer runs without autograd). memory.mla_query_block = B > 0: the
                      per-query top-k terms (indices, selected latents, mask, softmax) for min(T, B)
-                     queries only (one block at a time, recomputed in its backward: ops/dsa.py)
+                     queries only (one block at a time, recomputed in its backward: ops/dsa.py).
+                     ops.dsa's kernels (ops/dsa_triton_mla.py) instead: no selected latents, softmax
+                     or mask of [k]; their output o_lat and its float32 lse (`mla_bytes` kernel)
     MoE (GLM)        the shared experts as a SwiGLU each; the router's logits, scores and top-k; the
                      permuted tokens (top-k copies) and each expert's SwiGLU on its tokens
 """
@@ -93,21 +95,53 @@ def attention_bytes(m, tp: int, T: int, keys: int = 0, wide: bool = False) -> in
     return b
 
 
-def mla_bytes(m, tp: int, T: int, keys: int, query_block: int = 0) -> int:
+def mla_bytes(m, tp: int, T: int, keys: int, query_block: int = 0, kernel: str = "plain") -> int:
     """T tokens through one MLA + DSA mixer that sees `keys` latents (this rank's prompt rows + its own).
     `query_block` B > 0 (memory.mla_query_block): the queries run in blocks of B, each recomputed in its
     backward, so the terms that scale with top-k (indices, selected latents, mask, softmax) are kept
-    for Tq = min(T, B) queries only."""
+    for Tq = min(T, B) queries only. `kernel` (ops.dsa's, ops/kernel_choice.py dsa_kernel_name):
+    "triton", the sparse MLA kernel (ops/dsa_triton_mla.py), gathers the selected latents inside the
+    kernel and keeps no logits or probabilities: it saves q in latent space, the rotated q, the visible
+    latents, the indices and an int8 validity copy, its output o_lat [T, h, R] (e) and lse [T, h]
+    (float32), for every query (the query blocks are the twin's; the kernel takes none)."""
     e, w = _elem(m.dtype), max(4, _elem(m.dtype))
     h, R, Dr, Dn, Dv, ql = (m.num_attention_heads // tp, m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim,
                             m.v_head_dim, m.q_lora_rank)
     k = min(m.index_topk, keys)
-    Tq = min(T, query_block) if query_block > 0 else T
+    Tq = min(T, query_block) if query_block > 0 and kernel == "plain" else T
     b = T * m.hidden_size * e + T * (R * (w + e) + w) + T * (ql * (w + e) + w) + T * ql * e   # x, norms, q_b input
-    b += 2 * T * Dr * e + T * h * (Dn + Dr) * e + Tq * k * 8                                 # RoPE, q, indices
-    b += keys * (R + Dr) * e + Tq * k * (R + Dr) * e                                         # visible, selected
-    b += 2 * T * h * R * e + T * h * Dr * e + Tq * k + Tq * h * k * (w + e) + T * h * Dv * e  # attention
-    return b
+    b += 2 * T * Dr * e + T * h * (Dn + Dr) * e + Tq * k * 8 + keys * (R + Dr) * e         # RoPE, q, indices, visible
+    b += 2 * T * h * R * e + T * h * Dr * e + Tq * k + T * h * Dv * e   # q latent, o_lat, rotated q, mask, o_proj input
+    if kernel == "triton":
+        return b + T * h * 4                                                                 # lse
+    return b + Tq * k * (R + Dr) * e + Tq * h * k * (w + e)            # selected latents; softmax and its cast
+
+
+def mla_backward_scratch(m, T: int, keys: int, tp: int = 1, kernel: str = "plain") -> int:
+    """What an MLA + DSA layer's backward makes beside its saved tensors for T queries over `keys`.
+    "triton" (ops/dsa_triton_mla.py _SparsePartial.backward): the gradient of o_lat arriving [T, h, R],
+    dq in latent space and of the rotated q (e), and float32 gradient buffers of the visible latents'
+    and RoPE keys' full shape [keys, R], [keys, Dr] (both take a gradient wherever a backward runs: the
+    branch's own rows are among them), cast to e below float32. "plain": 0 here; the planner counts the
+    twin's backward as one layer's saved tensors' worth (planner/memory.py phase_bytes)."""
+    if kernel == "plain":
+        return 0
+    e = _elem(m.dtype)
+    h, R, Dr = m.num_attention_heads // tp, m.kv_lora_rank, m.qk_rope_head_dim
+    return T * h * (2 * R + Dr) * e + keys * (R + Dr) * (4 + (e if e != 4 else 0))
+
+
+RNG_STATE_BYTES = 5056
+"""torch.get_rng_state(): the CPU generator's state, which every torch.utils.checkpoint call keeps
+(preserve_rng_state) as long as its graph lives: memory.recompute=layer's per layer and the twin's MLA
+query blocks (memory.mla_query_block, ops/dsa.py by_query_blocks) per block. A CPU tensor: device
+bytes on a CPU run only (on CUDA it, and the device's generator state, are in host memory)."""
+
+
+def mla_checkpoints(m, T: int, query_block: int = 0, kernel: str = "plain") -> int:
+    """torch.utils.checkpoint calls one MLA layer's forward makes under autograd: one per query block of
+    the twin (none for one block, or for the kernel, which takes no blocks)."""
+    return -(-T // query_block) if kernel == "plain" and 0 < query_block < T else 0
 
 
 def attention_score_blocks(m, T: int, keys: int, tp: int = 1) -> int:
@@ -233,20 +267,24 @@ def gdn_backward_scratch(m, T: int, keys: int = 0, tp: int = 1, attention: str =
     return GDN_BACKWARD_MAPS * hv * chunk_map_elems(T, C) * s + loop
 
 
-def index_bytes(m, T: int, keys: int, tp: int = 1) -> int:
+def index_bytes(m, T: int, keys: int, tp: int = 1, kernel: str = "plain") -> int:
     """A full DSA layer's capture peak for T queries over `keys` (no autograd), in its indexer: one key
     block at a time with the running best k, the per-head scores and their ReLU over a block plus the
     best k and their weighted sum; beside them the layer's input, residual and normed input [T, hidden]
     x e, the fused down-projection's output (q latent, KV latent, RoPE key, index key) and the normed q
     latent, the indexer's queries, the RoPE part of q, and the running best indices (int64). At a
-    199-token chunk of the tiny config 1.61 MiB planned against 1.53 measured."""
+    199-token chunk of the tiny config 1.61 MiB planned against 1.53 measured. `kernel` "triton" (ops.dsa's,
+    ops/dsa_triton_indexer.py): no score blocks; its outputs alone, the rows (int64) and their scores
+    (float32), [T, min(k, keys)], beside the same layer tensors."""
     e, w = _elem(m.dtype), max(4, _elem(m.dtype))
     k = min(m.index_topk, keys)
     kb = min(m.index_block, keys) + k
     ql, R, Dr, dI = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim, m.index_head_dim
     live = T * (3 * m.hidden_size * e + (2 * ql + R + Dr + dI) * e + m.index_n_heads * dI * e
-                + (m.num_attention_heads // tp) * Dr * e + 2 * k * 8)
-    return T * kb * (2 * m.index_n_heads + 1) * w + live
+                + (m.num_attention_heads // tp) * Dr * e)
+    if kernel == "triton":
+        return live + T * k * (8 + 4)
+    return T * kb * (2 * m.index_n_heads + 1) * w + live + T * 2 * k * 8
 
 
 def moe_bytes(m, T: int) -> int:
@@ -271,12 +309,12 @@ def hybrid_layer_bytes(mixer_bytes, m, tp: int, T: int, layer: int, keys: int = 
 
 
 def glm_layer_bytes(m, tp: int, T: int, layer: int, keys: int = 0, produce_only: bool = False,
-                    query_block: int = 0) -> int:
-    """A GLM layer: MLA + DSA over `keys` latents (queries in blocks of `query_block`: see `mla_bytes`),
-    the dense SwiGLU or the MoE block (its tokens split by sequence over TP), two RMSNorms;
-    `produce_only`: input norm and mixer (see `layer_bytes`)."""
+                    query_block: int = 0, kernel: str = "plain") -> int:
+    """A GLM layer: MLA + DSA over `keys` latents (queries in blocks of `query_block`, ops.dsa's `kernel`:
+    see `mla_bytes`), the dense SwiGLU or the MoE block (its tokens split by sequence over TP), two
+    RMSNorms; `produce_only`: input norm and mixer (see `layer_bytes`)."""
     e = _elem(m.dtype)
-    mix, norm = mla_bytes(m, tp, T, max(keys, T), query_block), T * rms_norm_bytes(m.hidden_size, e)
+    mix, norm = mla_bytes(m, tp, T, max(keys, T), query_block, kernel), T * rms_norm_bytes(m.hidden_size, e)
     if produce_only:
         return mix + norm
     if m.mlp_types[layer] == "moe":
@@ -297,13 +335,16 @@ def layer_bytes(layers: dict, m, tp: int, T: int, layer: int, keys: int = 0, pro
 
 
 def kind_bytes(kind, m, tp: int, T: int, layer: int, keys: int = 0, produce_only: bool = False,
-               query_block: int = 0, gdn_wide: bool = False) -> int:
+               query_block: int = 0, gdn_wide: bool = False, kernel: str = "plain") -> int:
     """`layer_bytes` for a layer whose record (`kind`) the caller already holds. `gdn_wide`: a prompt
     chunk's Gated DeltaNet by sequence pieces (context parallelism, parallel/cp_gdn.py: values Dk wider
-    in its rule), handed on only when set, like `query_block`."""
+    in its rule), handed on only when set, like `query_block`; `kernel`: the kernel of a kind that names
+    its own (LayerKind.kernel_name: GLM's ops.dsa), handed on where it is not the twin ("plain")."""
     kw = {"query_block": query_block} if query_block > 0 else {}
     if gdn_wide:
         kw["gdn_wide"] = True
+    if kernel != "plain" and kind.kernel_name is not None:
+        kw["kernel"] = kernel
     return kind.activation_bytes(m, tp, T, layer, keys, produce_only, **kw)
 
 

@@ -200,24 +200,32 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
                        counted per attention kernel (Qwen's), else its intermediates (an upper bound)
                        or, where larger, its scores' moment (scratch_bytes: the DSA indexer's)
       replay           every layer's saved tensors for a micro-step's T tokens (replay.batch_tokens),
-                       plus the larger of one layer's backward (the twin: its saved tensors' worth,
-                       score blocks included; flash: the kinds' backward_scratch) and, on the last
+                       plus the larger of one layer's backward (the twins: its saved tensors' worth,
+                       score blocks and gathered latents included; flash and the DSA kernels: the
+                       kinds' backward_scratch) and, on the last
                        stage, the log-prob chunk's worst moment: while it is recomputed the logits,
                        their float32 copy, the shifted values and their exp; in the output layer's
                        backward the logits' gradient and the weight gradient; exact mode adds one
-                       layer's state gradient before it is accumulated. memory.recompute=layer: every
-                       layer's input [T, hidden] x e instead of its saved tensors, and a layer's
-                       backward holds its recomputed saved tensors and its backward_scratch (the
-                       gradients it makes take the place of the saved tensors they consume)
+                       layer's state gradient before it is accumulated; or, where larger, the forward
+                       at a layer's scores (the DSA indexer's score blocks, scratch_bytes, beside the
+                       earlier layers' saved tensors). memory.recompute=layer: every layer's input
+                       [T, hidden] x e instead of its saved tensors, and a layer's backward holds its
+                       recomputed saved tensors and its backward_scratch (the gradients it makes take
+                       the place of the saved tensors they consume), or its scores again beside its
+                       output's gradient
       prompt_backward  exact mode: every layer's saved tensors for one capture chunk (the last layer
-                       only as far as its state) and one layer's state gradient; with
+                       only as far as its state) and one layer's state gradient, or where larger the
+                       chunk's recompute at a layer's scores (as in the replay: at a 199-token chunk
+                       of the tiny GLM, 4 layers, the third layer's indexer beside the first two
+                       layers' saved tensors is the step's peak); with
                        replay.keep_prompt_graph_mib the kept capture chunks' saved tensors join the
                        capture and the replay, and the sweep holds them at its start (measured on H200 and
                        CPU: the chunk's backward needs no more than its forward kept).
                        memory.recompute=layer: every layer's chunk input [chunk, hidden] x e and one
                        layer run again with autograd: the larger of its forward's scores moment (the
-                       kind's scratch_bytes, as in capture: the DSA indexer runs again) and its
-                       backward's (recomputed saved tensors and backward_scratch)
+                       kind's scratch_bytes, as in capture: the DSA indexer runs again, beside the
+                       gradient of the layer's output) and its backward's (recomputed saved tensors
+                       and backward_scratch)
     Under pipeline parallelism the replay and the sweep run as one 1F1B schedule whose micro-batches
     are the replay micro-steps (replay/plan.py) and, in exact mode, the chunks: stage s holds
     min(pp - s, micro-batches) of them in flight (replay/pipeline.py; planner/timing.py `in_flight`), so
@@ -227,12 +235,15 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     position-sized state in the model dtype (planner/state.py staging_bytes); memory.mla_query_block
     shrinks GLM's per-query top-k terms (planner/activations.py mla_bytes).
     Token counts are this rank's: a chunk's 1/cp under context parallelism, branches whole.
+    Every torch.utils.checkpoint call (memory.recompute=layer's, one per layer; the twin's MLA query
+    blocks) keeps the CPU RNG state with its graph: RNG_STATE_BYTES each, device bytes on CPU only.
     `kernels` ("cpu" / "cuda"): where they run; ops.attention's kernel there (ops/kernel_choice.py) sets
-    the attention terms."""
+    the attention terms, and a kind that names its own (LayerKind.kernel_name: GLM's ops.dsa,
+    dsa_kernel_name) its terms: the DSA kernels' (no score blocks, no gathered latents) or the twins'."""
     from longstraw_mcore.ops.kernel_choice import attention_kernel_name
     from longstraw_mcore.parallel.cp import gdn_path
     from longstraw_mcore.planner.adapters import frozen_base_activation_delta  # (0 without adapters)
-    from longstraw_mcore.planner.activations import kind_bytes
+    from longstraw_mcore.planner.activations import RNG_STATE_BYTES, kind_bytes
     from longstraw_mcore.planner.state import staging_bytes
     from longstraw_mcore.prompt_state.containers import analytic_state_grad_bytes
 
@@ -249,29 +260,47 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     last = stage[-1] if last_stage else None
     wide = gdn_path(m, p.tp, p.cp) == "sequence"  # a chunk's GDN rule on values Dk wider (parallel/cp_gdn.py)
     attention = attention_kernel_name(cfg.ops.attention, kernels, m.dtype, getattr(m, "head_dim", 0), planner=True)
+    rng = RNG_STATE_BYTES if kernels == "cpu" else 0  # what each torch.utils.checkpoint call keeps on the device
+
+    def kern(i):  # the kernel layer i's mixer runs: its kind's own (GLM's ops.dsa) or ops.attention's
+        kind = layers[lt[i]]
+        return kind.kernel_name(cfg.ops, kernels, m.dtype) if kind.kernel_name is not None else attention
 
     def rows(i):  # the prompt positions layer i reads on this rank (MLA latents: striped over TP too)
         return layers[lt[i]].state.rows(captured, p.tp)
 
     def scratch(T, i):  # layer i's capture moment: counted (capture_bytes) or its scores' (the indexer's)
-        return layers[lt[i]].capture_moment(m, T, rows(i), p.tp, attention)
+        return layers[lt[i]].capture_moment(m, T, rows(i), p.tp, kern(i))
+
+    def scores(T, keys, i):  # layer i's scores moment (the DSA indexer's; 0 for kinds without one)
+        return layers[lt[i]].scratch_bytes(m, T, keys, p.tp, kern(i))
 
     def backward_scratch(T, i, keys):  # what layer i's backward makes beside its saved tensors (score blocks)
-        return layers[lt[i]].backward_scratch(m, T, keys, p.tp, attention)
+        return layers[lt[i]].backward_scratch(m, T, keys, p.tp, kern(i))
+
+    def checkpoints(T, i):  # layer i's own torch.utils.checkpoint calls under autograd (MLA query blocks)
+        return layers[lt[i]].checkpoints(m, T, qb, kern(i))
 
     def one(T, own, i, produce_only=False):  # own = 0: a prompt chunk (its own keys are the state's); own = T: branches
         return kind_bytes(layers[lt[i]], m, p.tp, T, i, rows(i) + own, produce_only=produce_only, query_block=qb,
-                          gdn_wide=wide and own == 0) + frozen_base_activation_delta(family, m, cfg.adapter, p.tp, T, i,
-                                                                                     produce_only)
+                          gdn_wide=wide and own == 0, kernel=kern(i)) + frozen_base_activation_delta(
+            family, m, cfg.adapter, p.tp, T, i, produce_only) + (0 if produce_only else rng * checkpoints(T, i))
 
     def saved(T, own, sweep=False):  # sweep: the model's last layer runs only as far as its state
         return sum(one(T, own, i, produce_only=sweep and i == last) for i in stage)
 
-    def widest(T, own):  # a layer's backward: its saved tensors are alive and gradients of their size made
-        return max(one(T, own, i) for i in stage)
+    def forward(T, own, sweep=False):  # a pass at a layer's scores: the earlier layers' saved tensors beside them
+        best = prefix = 0
+        for i in stage:
+            if not (sweep and i == last):
+                best = max(best, prefix + scores(T, rows(i) + own, i))
+            prefix += one(T, own, i, produce_only=sweep and i == last)
+        return best
 
-    def inputs(T):  # memory.recompute=layer: what each layer keeps for its backward
-        return len(stage) * T * m.hidden_size * e
+    def inputs(T, sweep=False):  # memory.recompute=layer: what each layer keeps for its backward: its input,
+        # its checkpoint's RNG state and its own checkpoints' (kept with the graph)
+        return sum(T * m.hidden_size * e + rng * (1 + (0 if sweep and i == last else checkpoints(T, i)))
+                   for i in stage)
 
     def capture(i):  # layer i's capture of a chunk: its counted moment, or its intermediates (an upper bound)
         counted = layers[lt[i]].capture_bytes is not None and not wide  # (or its scores' moment)
@@ -279,12 +308,13 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
 
     out = {"capture": max(capture(i) for i in stage)}
     T = R * even_micro_steps(R, G, rc.batch_tokens)[1]  # the widest micro-step: its branches x R
-    if recompute:  # one layer's backward: its recomputed saved tensors and its backward's scratch
-        top = max(one(T, T, i) + backward_scratch(T, i, max(rows(i), T)) for i in stage)
-    elif attention != "plain":  # flash: one layer's backward, what it makes beside its saved tensors
-        top = max(backward_scratch(T, i, max(rows(i), T)) for i in stage)
-    else:  # (the twin's: its score blocks, as one layer's saved tensors' worth)
-        top = widest(T, T)
+    if recompute:  # one layer's backward: its recomputed saved tensors and its backward's scratch, or its
+        # forward run again at its scores, beside the gradient of its output
+        top = max(max(one(T, T, i) + backward_scratch(T, i, max(rows(i), T)),
+                      scores(T, rows(i) + T, i) + T * m.hidden_size * e) for i in stage)
+    else:  # one layer's backward, what it makes beside its saved tensors: a kernel's backward_scratch (flash,
+        # the DSA kernels); the twins' (score blocks, gathered latents) as one layer's saved tensors' worth
+        top = max(backward_scratch(T, i, max(rows(i), T)) if kern(i) != "plain" else one(T, T, i) for i in stage)
     if last_stage:
         c = min(rc.logprob_chunk, R) * (T // R)
         vocab = m.padded_vocab_size(p.tp) // p.tp
@@ -304,17 +334,23 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
         top += deq
         out["capture"] += deq
     flight = in_flight(cfg, P, R, G, stage)
-    out["replay"] = flight * (inputs(T) if recompute else saved(T, T)) + top + one_grad
+    if recompute:
+        out["replay"] = flight * inputs(T) + top + one_grad
+    else:  # its backward, or its forward at a layer's scores (the indexer's, beside the earlier layers')
+        mine = saved(T, T)
+        out["replay"] = max(flight * mine + top + one_grad, (flight - 1) * mine + forward(T, T))
     if not exact:
         out["prompt_backward"] = 0
     elif recompute:  # one layer at a time, run again with autograd: the larger of its forward's scores
-        def sweep_layer(i):  # moment and its backward's (recomputed saved tensors and the score blocks)
-            own = one(chunk, 0, i, produce_only=i == last)
-            return max(scratch(chunk, i), own + backward_scratch(chunk, i, rows(i)))
+        def sweep_layer(i):  # moment (beside its output's gradient) and its backward's (recomputed saved
+            own = one(chunk, 0, i, produce_only=i == last)  # tensors and the score blocks)
+            again = 0 if i == last else scores(chunk, rows(i), i) + chunk * m.hidden_size * e
+            return max(scratch(chunk, i), again, own + backward_scratch(chunk, i, rows(i)))
 
-        out["prompt_backward"] = flight * inputs(chunk) + max(sweep_layer(i) for i in stage) + one_grad
-    else:
-        out["prompt_backward"] = flight * saved(chunk, 0, sweep=True) + one_grad
+        out["prompt_backward"] = flight * inputs(chunk, sweep=True) + max(sweep_layer(i) for i in stage) + one_grad
+    else:  # the chunk's backward, or its recompute's forward at a layer's scores
+        mine = saved(chunk, 0, sweep=True)
+        out["prompt_backward"] = max(flight * mine + one_grad, (flight - 1) * mine + forward(chunk, 0, sweep=True))
     from longstraw_mcore.planner.activations import kept_graph_bytes
 
     kept_graphs = kept_graph_bytes(cfg, P, lambda T: saved(T, 0, sweep=True), layers, lt, stage)
