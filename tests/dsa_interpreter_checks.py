@@ -143,6 +143,51 @@ def cp_pieces_case(T=6, S=48, H=4, Dn=8, Dr=8, R=16, HI=3, DI=16, k=12, seed=3):
     return out
 
 
+def indexer_parts_case(B=2, T=9, S0=40, S1=9, HI=2, DI=16, k=8, seed=5):
+    """Keys in two parts as the prompt state hands them over (its rows, batch 1; the call's own, batch B):
+    the kernel reads them in place; the twin joins them."""
+    g = torch.Generator().manual_seed(seed)
+    q, w = torch.randn(B, T, HI, DI, generator=g), torch.randn(B, T, HI, generator=g)
+    head, tail = torch.randn(1, S0, DI, generator=g), torch.randn(B, S1, DI, generator=g)
+    q_pos, k_pos = torch.arange(S0, S0 + T), torch.arange(S0 + S1)
+    r1, v1 = dsa.indexer_topk(q, dsa.joined_rows((head, tail)), w, q_pos, k_pos, k, 16)
+    r2, v2 = kidx.indexer_topk(q, (head, tail), w, q_pos, k_pos, k)
+    ok = v1 > NEG
+    return {"rows_equal": bool((r1 == r2).all()), "valid_equal": bool((ok == (v2 > NEG)).all()),
+            "scores": rel(v1[ok], v2[ok]), "tail_chosen": int((r1[ok] >= S0).sum())}
+
+
+def mla_parts_case(state_grad: bool, B=2, T=4, S0=30, S1=4, H=4, Dn=8, Dr=8, R=16, k=10, seed=6):
+    """Sparse MLA over latents in two parts (the state's rows, batch 1; the call's own, batch B): the kernel
+    reads them in place and gives each part a gradient of its own shape; the twin joins them. `state_grad`:
+    the state's rows take a gradient (exact mode's leaves) or none (detached)."""
+    g = torch.Generator().manual_seed(seed)
+    qn, qp = torch.randn(B, T, H, Dn, generator=g), torch.randn(B, T, H, Dr, generator=g)
+    c0, pe0 = torch.randn(1, S0, R, generator=g), torch.randn(1, S0, Dr, generator=g)
+    c1, pe1 = torch.randn(B, S1, R, generator=g), torch.randn(B, S1, Dr, generator=g)
+    wuk = torch.randn(H, Dn, R, generator=g) * 0.3
+    S = S0 + S1
+    idx = torch.stack([torch.randperm(S, generator=g)[:k] for _ in range(B * T)]).view(B, T, k)
+    idx[..., 0] = S0  # every query reads an own row
+    valid = torch.rand(B, T, k, generator=g) > 0.2
+    go, gl = torch.randn(B, T, H, R, generator=g), torch.randn(B, T, H, generator=g)
+    res = []
+    for mod in (dsa, kmla):
+        ins = [x.clone().requires_grad_(True) for x in (qn, qp, wuk, c1, pe1)]
+        state = [x.clone().requires_grad_(state_grad) for x in (c0, pe0)]
+        c, pe = (state[0], ins[3]), (state[1], ins[4])
+        o, lse = mod.mla_sparse_partial(ins[0], ins[1], c, pe, ins[2], idx, valid, 0.37)
+        loss = (o * go).sum() + (torch.where(torch.isinf(lse), 0, lse) * gl).sum()
+        grads = torch.autograd.grad(loss, ins + (state if state_grad else []))
+        res.append((o, lse, grads))
+    (o1, l1, g1), (o2, l2, g2) = res
+    names = ["d_q_nope", "d_q_pe", "d_w_uk", "d_own_c", "d_own_pe"] + (["d_state_c", "d_state_pe"] if state_grad else [])
+    out = {"o_lat": rel(o1, o2), "lse": rel(l1[~torch.isinf(l1)], l2[~torch.isinf(l2)])}
+    out.update({n: rel(a, b) for n, a, b in zip(names, g1, g2)})
+    out["shapes_equal"] = all(a.shape == b.shape for a, b in zip(g1, g2))
+    return out
+
+
 def dispatch_case():
     x32, x64 = torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4, dtype=torch.float64)
     out = {}
@@ -168,6 +213,9 @@ def main():
         "mla_partial_detached": mla_partial_case(1, 4, 30, 3, 8, 8, 16, 8, latent_grad=False),
         "mla_partial_dense": mla_partial_case(1, 6, 6, 4, 8, 8, 16, 6),     # k = every key
         "mla_full": mla_full_case(),
+        "indexer_parts": indexer_parts_case(),
+        "mla_parts_detached": mla_parts_case(False),
+        "mla_parts_exact": mla_parts_case(True),
         "cp2_pieces": cp_pieces_case(),
         "dispatch": dispatch_case(),
     }

@@ -20,12 +20,31 @@ head dim, R kv_lora_rank (the latent), Dn / Dr / Dv the no-RoPE / RoPE / value h
 
 The selection is not differentiable (the indexer gets no policy gradient, as in the reference
 implementation); mla_sparse is, through plain autograd.
+
+Keys in two parts: every key tensor (`key`, `c_kv`, `k_pe`) may come as a pair (head [1 or B, S0, D], tail
+[B, S1, D]): rows [0, S0) and [S0, S0 + S1), the prompt state and the call's own rows as the prompt state
+hands them over (prompt_state/mla.py). The twins join them (`joined_rows`: the copy the kernels avoid,
+ops/dsa_triton_*.py); a head of batch 1 serves every row of the batch.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def joined_rows(x):
+    """A key tensor, or a (head, tail) pair of its rows (module docstring), as one tensor [B, S0 + S1, D]."""
+    if not isinstance(x, tuple):
+        return x
+    head, tail = x
+    B = max(head.shape[0], tail.shape[0])
+    return torch.cat([head.expand(B, *head.shape[1:]), tail.to(head.dtype).expand(B, *tail.shape[1:])], 1)
+
+
+def rows_count(x) -> int:
+    """The key rows of a key tensor or a (head, tail) pair."""
+    return x[0].shape[1] + x[1].shape[1] if isinstance(x, tuple) else x.shape[1]
 
 
 def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -74,6 +93,7 @@ def indexer_topk(q: torch.Tensor, key: torch.Tensor, weights: torch.Tensor, q_po
     are in position order, so the running best (ties already in position order) followed by the next
     block (later positions) and a stable sort give exactly the single-pass selection. `counted` [S]
     bool: only those keys may be chosen (context parallelism: parallel/cp_dsa.py)."""
+    key = joined_rows(key)
     B, T = q.shape[:2]
     best_rows = best_vals = None
     for a in range(0, key.shape[1], block):
@@ -130,6 +150,7 @@ def mla_sparse(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_p
     """q_nope [B, T, H, Dn], q_pe [B, T, H, Dr] (rotated), c_kv [B, S, R], k_pe [B, S, Dr] (rotated),
     w_uk [H, Dn, R], w_uv [H, Dv, R], idx / valid [B, T, k] -> [B, T, H, Dv]. Softmax in >= float32.
     `query_block`: see `by_query_blocks`."""
+    c_kv, k_pe = joined_rows(c_kv), joined_rows(k_pe)
     return by_query_blocks(_mla_sparse, query_block, (q_nope, q_pe, idx, valid), (c_kv, k_pe, w_uk, w_uv, scale))
 
 
@@ -146,6 +167,7 @@ def mla_sparse_partial(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Ten
     """`mla_sparse` over a part of the keys, before the value up-projection: (o_lat [B, T, H, R], the
     softmax-weighted latents over this part's valid keys; lse [B, T, H], their log-sum-exp, -inf where a
     query has none here). Parts merge by log-sum-exp (parallel/cp_dsa.py); then o = o_lat W_UV."""
+    c_kv, k_pe = joined_rows(c_kv), joined_rows(k_pe)
     return by_query_blocks(_mla_sparse_partial, query_block, (q_nope, q_pe, idx, valid), (c_kv, k_pe, w_uk, scale))
 
 

@@ -17,6 +17,9 @@ sorted descending against the new block sorted ascending, their elementwise maxi
 the union, sorted again (`tl.sort`). Keys past the end are the smallest int64 (never chosen over a real
 key, -inf ones included, which the twin also returns, in position order, where fewer than k are visible).
 
+The keys may come in two parts (the prompt state's rows, then the call's own: ops/dsa.py), read where
+they lie: the copy that joins them is never made.
+
 Dtypes: float32, bf16, fp16 queries and keys (the scores in float32 either way); float64 is the twin's
 (ops/dispatch.dsa_kernel). Memory: O(B T k) for the outputs. The index keys are read in the model dtype:
 the prompt state keeps them unrounded under memory.state_dtype=fp8 (prompt_state/mla.py `exact_rows`:
@@ -48,9 +51,9 @@ def _pack(score, row):
 
 
 @triton.jit
-def _indexer_topk_kernel(q_ptr, key_ptr, w_ptr, qpos_ptr, kpos_ptr, counted_ptr, rows_ptr, vals_ptr,
-                         T, S, HI, scale, KK,
-                         sq_b, sq_t, sq_h, sk_b, sk_s, sw_b, sw_t, so_b, so_t,
+def _indexer_topk_kernel(q_ptr, k0_ptr, k1_ptr, w_ptr, qpos_ptr, kpos_ptr, counted_ptr, rows_ptr, vals_ptr,
+                         T, S, N0, HI, scale, KK,
+                         sq_b, sq_t, sq_h, sk0_b, sk0_s, sk1_b, sk1_s, sw_b, sw_t, so_b, so_t,
                          DI: tl.constexpr, DIP: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
                          HAS_COUNTED: tl.constexpr, IEEE: tl.constexpr):
     pid_t, b = tl.program_id(0), tl.program_id(1)
@@ -63,8 +66,11 @@ def _indexer_topk_kernel(q_ptr, key_ptr, w_ptr, qpos_ptr, kpos_ptr, counted_ptr,
     for s0 in range(0, S, KP):
         s = s0 + tl.arange(0, KP)
         s_ok = s < S
-        keys = tl.load(key_ptr + b * sk_b + s[:, None] * sk_s + d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                       other=0.0)
+        in0, in1 = s_ok & (s < N0), s_ok & (s >= N0)   # the key's two parts (head rows, then tail rows)
+        keys = (tl.load(k0_ptr + b * sk0_b + s[:, None] * sk0_s + d[None, :], mask=in0[:, None] & d_ok[None, :],
+                        other=0.0)
+                + tl.load(k1_ptr + b * sk1_b + (s - N0)[:, None] * sk1_s + d[None, :],
+                          mask=in1[:, None] & d_ok[None, :], other=0.0))
         acc = tl.zeros((BLOCK_T, KP), tl.float32)
         for h in range(HI):
             qh = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + h * sq_h + d[None, :],
@@ -94,26 +100,40 @@ def _indexer_topk_kernel(q_ptr, key_ptr, w_ptr, qpos_ptr, kpos_ptr, counted_ptr,
     tl.store(vals_ptr + out, val, mask=ok)
 
 
-def indexer_topk(q: torch.Tensor, key: torch.Tensor, weights: torch.Tensor, q_pos: torch.Tensor,
+def _rows(x):
+    """A key tensor, or one part of its rows: read in place (a batch of 1 serves every row, stride 0), only
+    its last dim made contiguous."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def batch_stride(x) -> int:
+    return 0 if x.shape[0] == 1 else x.stride(0)
+
+
+def indexer_topk(q: torch.Tensor, key, weights: torch.Tensor, q_pos: torch.Tensor,
                  k_pos: torch.Tensor, k: int, block: int = 0,
                  counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """ops/dsa.indexer_topk's contract (`block` is the twin's key block; the kernel's is k's power of two)."""
+    """ops/dsa.indexer_topk's contract (`block` is the twin's key block; the kernel's is k's power of two).
+    `key`: a tensor or a (head, tail) pair of its rows (ops/dsa.py), read where they lie (no join)."""
     if k < 1:
         raise ValueError(f"index_topk={k}: must be >= 1")
     B, T, HI, DI = q.shape
-    S = key.shape[1]
+    k0, k1 = (_rows(x) for x in key) if isinstance(key, tuple) else (_rows(key),) * 2
+    k1 = k1.to(k0.dtype)
+    S = k0.shape[1] + k1.shape[1] if isinstance(key, tuple) else k0.shape[1]
     kk = min(k, S)
     rows = torch.empty(B, T, kk, dtype=torch.long, device=q.device)
     vals = torch.empty(B, T, kk, dtype=torch.float32, device=q.device)
     if T == 0 or kk == 0:
         return rows, vals
-    q, key, weights = q.contiguous(), key.contiguous(), weights.contiguous()
+    q, weights = q.contiguous(), weights.contiguous()
     q_pos, k_pos = q_pos.contiguous(), k_pos.contiguous()
     cnt = counted.contiguous().to(torch.int8) if counted is not None else k_pos
     grid = (triton.cdiv(T, BT), B)
     _indexer_topk_kernel[grid](
-        q, key, weights, q_pos, k_pos, cnt, rows, vals, T, S, HI, DI ** -0.5, kk,
-        q.stride(0), q.stride(1), q.stride(2), key.stride(0), key.stride(1), weights.stride(0), weights.stride(1),
+        q, k0, k1, weights, q_pos, k_pos, cnt, rows, vals, T, S, k0.shape[1], HI, DI ** -0.5, kk,
+        q.stride(0), q.stride(1), q.stride(2), batch_stride(k0), k0.stride(1), batch_stride(k1), k1.stride(1),
+        weights.stride(0), weights.stride(1),
         rows.stride(0), rows.stride(1),
         DI=DI, DIP=_pow2(DI), KP=_pow2(k), BLOCK_T=BT, HAS_COUNTED=counted is not None,
         IEEE=q.dtype == torch.float32, num_warps=8 if k >= 1024 else 4)

@@ -19,6 +19,10 @@ directly, the per-head K/V never expanded).
               out. Atomics make the latents' gradient's last bits depend on the order the GPU runs
               programs in (not under the interpreter, which runs them in order).
 
+The latents may come in two parts (the prompt state's rows, then the call's own: ops/dsa.py), read where
+they lie: the copy that joins them is never made, and each part's gradient buffer has that part's shape
+(a detached state's none), not the joined rows'.
+
 q_abs = q_nope W_UK and o = o_lat W_UV stay outside (dense einsums, autograd's): the kernels see
 latent-space queries. Dtypes: float32 / bf16 / fp16 (float32 dots in IEEE float32, no TF32); float64
 is the twin's (ops/dispatch.dsa_kernel).
@@ -46,9 +50,18 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(qa_ptr, qp_ptr, c_ptr, pe_ptr, idx_ptr, valid_ptr, o_ptr, lse_ptr,
-                H, K, R, DR, scale,
-                sqa_b, sqa_t, sqa_h, sqp_b, sqp_t, sqp_h, sc_b, sc_s, spe_b, spe_s, si_b, si_t,
+def _gather(p0, p1, b, row, N0, col, col_ok, in0, in1, s0_b, s0_s, s1_b, s1_s):
+    """Rows `row` [BK] of a tensor kept in two parts (rows < N0 in p0, the rest in p1 from 0), [BK, cols]."""
+    return (tl.load(p0 + b * s0_b + row[:, None] * s0_s + col[None, :], mask=in0[:, None] & col_ok[None, :], other=0.0)
+            + tl.load(p1 + b * s1_b + (row - N0)[:, None] * s1_s + col[None, :], mask=in1[:, None] & col_ok[None, :],
+                      other=0.0))
+
+
+@triton.jit
+def _fwd_kernel(qa_ptr, qp_ptr, c0_ptr, pe0_ptr, c1_ptr, pe1_ptr, idx_ptr, valid_ptr, o_ptr, lse_ptr,
+                H, K, R, DR, N0, scale,
+                sqa_b, sqa_t, sqa_h, sqp_b, sqp_t, sqp_h, sc0_b, sc0_s, spe0_b, spe0_s, sc1_b, sc1_s, spe1_b, spe1_s,
+                si_b, si_t,
                 so_b, so_t, so_h, sl_b, sl_t,
                 RP: tl.constexpr, DRP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                 IEEE: tl.constexpr):
@@ -71,9 +84,9 @@ def _fwd_kernel(qa_ptr, qp_ptr, c_ptr, pe_ptr, idx_ptr, valid_ptr, o_ptr, lse_pt
         j_ok = j < K
         v = (tl.load(valid_ptr + b * si_b + t * si_t + j, mask=j_ok, other=0) != 0) & j_ok
         row = tl.load(idx_ptr + b * si_b + t * si_t + j, mask=v, other=0)
-        cs = tl.load(c_ptr + b * sc_b + row[:, None] * sc_s + r[None, :], mask=v[:, None] & r_ok[None, :], other=0.0)
-        ps = tl.load(pe_ptr + b * spe_b + row[:, None] * spe_s + dr[None, :], mask=v[:, None] & dr_ok[None, :],
-                     other=0.0)
+        in0, in1 = v & (row < N0), v & (row >= N0)          # the latents' two parts: head rows, tail rows
+        cs = _gather(c0_ptr, c1_ptr, b, row, N0, r, r_ok, in0, in1, sc0_b, sc0_s, sc1_b, sc1_s)
+        ps = _gather(pe0_ptr, pe1_ptr, b, row, N0, dr, dr_ok, in0, in1, spe0_b, spe0_s, spe1_b, spe1_s)
         logits = (_dot(qa, tl.trans(cs), IEEE) + _dot(qp, tl.trans(ps), IEEE)) * scale
         logits = tl.where(v[None, :], logits, float("-inf"))
         m_new = tl.maximum(m, tl.max(logits, 1))
@@ -92,13 +105,25 @@ def _fwd_kernel(qa_ptr, qp_ptr, c_ptr, pe_ptr, idx_ptr, valid_ptr, o_ptr, lse_pt
 
 
 @triton.jit
-def _bwd_kernel(qa_ptr, qp_ptr, c_ptr, pe_ptr, idx_ptr, valid_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr,
-                dqa_ptr, dqp_ptr, dc_ptr, dpe_ptr,
-                H, K, R, DR, scale,
-                sqa_b, sqa_t, sqa_h, sqp_b, sqp_t, sqp_h, sc_b, sc_s, spe_b, spe_s, si_b, si_t,
-                so_b, so_t, so_h, sl_b, sl_t, sdc_b, sdc_s, sdpe_b, sdpe_s,
+def _scatter_add(p0, p1, b, row, N0, col, col_ok, in0, in1, s0_b, s0_s, s1_b, s1_s, val,
+                 GRAD0: tl.constexpr, GRAD1: tl.constexpr):
+    """Atomically add val [BK, cols] into rows `row` of the parts that take a gradient."""
+    if GRAD0:
+        tl.atomic_add(p0 + b * s0_b + row[:, None] * s0_s + col[None, :], val, mask=in0[:, None] & col_ok[None, :])
+    if GRAD1:
+        tl.atomic_add(p1 + b * s1_b + (row - N0)[:, None] * s1_s + col[None, :], val,
+                      mask=in1[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _bwd_kernel(qa_ptr, qp_ptr, c0_ptr, pe0_ptr, c1_ptr, pe1_ptr, idx_ptr, valid_ptr, o_ptr, lse_ptr, do_ptr,
+                dlse_ptr, dqa_ptr, dqp_ptr, dc0_ptr, dpe0_ptr, dc1_ptr, dpe1_ptr,
+                H, K, R, DR, N0, scale,
+                sqa_b, sqa_t, sqa_h, sqp_b, sqp_t, sqp_h, sc0_b, sc0_s, spe0_b, spe0_s, sc1_b, sc1_s, spe1_b, spe1_s,
+                si_b, si_t, so_b, so_t, so_h, sl_b, sl_t,
+                sdc0_b, sdc0_s, sdpe0_b, sdpe0_s, sdc1_b, sdc1_s, sdpe1_b, sdpe1_s,
                 RP: tl.constexpr, DRP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                IEEE: tl.constexpr, HAS_DLSE: tl.constexpr, GRAD_C: tl.constexpr, GRAD_PE: tl.constexpr):
+                IEEE: tl.constexpr, HAS_DLSE: tl.constexpr, GRAD0: tl.constexpr, GRAD1: tl.constexpr):
     t, hb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
@@ -126,22 +151,22 @@ def _bwd_kernel(qa_ptr, qp_ptr, c_ptr, pe_ptr, idx_ptr, valid_ptr, o_ptr, lse_pt
         j_ok = j < K
         v = (tl.load(valid_ptr + b * si_b + t * si_t + j, mask=j_ok, other=0) != 0) & j_ok
         row = tl.load(idx_ptr + b * si_b + t * si_t + j, mask=v, other=0)
-        cs = tl.load(c_ptr + b * sc_b + row[:, None] * sc_s + r[None, :], mask=v[:, None] & r_ok[None, :], other=0.0)
-        ps = tl.load(pe_ptr + b * spe_b + row[:, None] * spe_s + dr[None, :], mask=v[:, None] & dr_ok[None, :],
-                     other=0.0)
+        in0, in1 = v & (row < N0), v & (row >= N0)          # the latents' two parts: head rows, tail rows
+        cs = _gather(c0_ptr, c1_ptr, b, row, N0, r, r_ok, in0, in1, sc0_b, sc0_s, sc1_b, sc1_s)
+        ps = _gather(pe0_ptr, pe1_ptr, b, row, N0, dr, dr_ok, in0, in1, spe0_b, spe0_s, spe1_b, spe1_s)
         logits = (_dot(qa, tl.trans(cs), IEEE) + _dot(qp, tl.trans(ps), IEEE)) * scale
         p = tl.where(v[None, :] & some[:, None], tl.exp(logits - lse_safe[:, None]), 0.0)
         dp = _dot(do.to(cs.dtype), tl.trans(cs), IEEE)
         ds = p * (dp - dd[:, None])                                               # d logits (before scale)
         dqa += _dot(ds.to(cs.dtype), cs, IEEE)
         dqp += _dot(ds.to(ps.dtype), ps, IEEE)
-        if GRAD_C:
+        if GRAD0 or GRAD1:
             dcs = _dot(tl.trans(ds.to(qa.dtype)), qa, IEEE) * scale + _dot(tl.trans(p.to(cs.dtype)), do.to(cs.dtype), IEEE)
-            tl.atomic_add(dc_ptr + b * sdc_b + row[:, None] * sdc_s + r[None, :], dcs, mask=v[:, None] & r_ok[None, :])
-        if GRAD_PE:
+            _scatter_add(dc0_ptr, dc1_ptr, b, row, N0, r, r_ok, in0, in1, sdc0_b, sdc0_s, sdc1_b, sdc1_s, dcs,
+                         GRAD0, GRAD1)
             dps = _dot(tl.trans(ds.to(qp.dtype)), qp, IEEE) * scale
-            tl.atomic_add(dpe_ptr + b * sdpe_b + row[:, None] * sdpe_s + dr[None, :], dps,
-                          mask=v[:, None] & dr_ok[None, :])
+            _scatter_add(dpe0_ptr, dpe1_ptr, b, row, N0, dr, dr_ok, in0, in1, sdpe0_b, sdpe0_s, sdpe1_b, sdpe1_s, dps,
+                         GRAD0, GRAD1)
     tl.store(dqa_ptr + b * sqa_b + t * sqa_t + h[:, None] * sqa_h + r[None, :], dqa * scale, mask=hr)
     tl.store(dqp_ptr + b * sqp_b + t * sqp_t + h[:, None] * sqp_h + dr[None, :], dqp * scale, mask=hd)
 
@@ -152,53 +177,78 @@ def _launch(q_abs, c):
                                            num_warps=8 if R >= 256 else 4)
 
 
+def _rows(x):
+    """A latent tensor or one part of its rows, read in place: only its last dim made contiguous."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _strides(x):
+    """(batch, row) strides; a batch of 1 serves every query's batch row (stride 0: the prompt state's)."""
+    return (0 if x.shape[0] == 1 else x.stride(0)), x.stride(1)
+
+
 class _SparsePartial(torch.autograd.Function):
+    """(q_abs, q_pe, c0, pe0, c1, pe1, idx, valid, scale) -> (o_lat, lse). The latents and RoPE keys in two
+    parts, rows [0, N0) in (c0, pe0) and the rest in (c1, pe1) (a single tensor: c1 is c0 and N0 its rows);
+    each part gets a gradient of its own shape, or none where it takes none."""
+
     @staticmethod
-    def forward(ctx, q_abs, q_pe, c, pe, idx, valid, scale):
-        q_abs, q_pe, c, pe = (x.contiguous() for x in (q_abs, q_pe, c, pe))
+    def forward(ctx, q_abs, q_pe, c0, pe0, c1, pe1, idx, valid, scale, single):
+        q_abs, q_pe = q_abs.contiguous(), q_pe.contiguous()
+        c0, pe0, c1, pe1 = (_rows(x) for x in (c0, pe0, c1, pe1))
         idx, valid = idx.contiguous(), valid.contiguous().to(torch.int8)
         B, T, H, R = q_abs.shape
         K, DR = idx.shape[-1], q_pe.shape[-1]
-        o = torch.empty(B, T, H, R, dtype=c.dtype, device=c.device)
-        lse = torch.empty(B, T, H, dtype=torch.float32, device=c.device)
+        n0 = c0.shape[1]
+        o = torch.empty(B, T, H, R, dtype=c0.dtype, device=c0.device)
+        lse = torch.empty(B, T, H, dtype=torch.float32, device=c0.device)
         if T and H:
-            grid, meta = _launch(q_abs, c)
-            _fwd_kernel[grid](q_abs, q_pe, c, pe, idx, valid, o, lse, H, K, R, DR, scale,
-                              *q_abs.stride()[:3], *q_pe.stride()[:3], c.stride(0), c.stride(1), pe.stride(0),
-                              pe.stride(1), idx.stride(0), idx.stride(1), *o.stride()[:3], lse.stride(0), lse.stride(1),
-                              DRP=_pow2(DR), **meta)
-        ctx.save_for_backward(q_abs, q_pe, c, pe, idx, valid, o, lse)
-        ctx.scale = scale
+            grid, meta = _launch(q_abs, c0)
+            _fwd_kernel[grid](q_abs, q_pe, c0, pe0, c1, pe1, idx, valid, o, lse, H, K, R, DR, n0, scale,
+                              *q_abs.stride()[:3], *q_pe.stride()[:3], *_strides(c0), *_strides(pe0), *_strides(c1),
+                              *_strides(pe1), idx.stride(0), idx.stride(1), *o.stride()[:3], lse.stride(0),
+                              lse.stride(1), DRP=_pow2(DR), **meta)
+        ctx.save_for_backward(q_abs, q_pe, c0, pe0, c1, pe1, idx, valid, o, lse)
+        ctx.scale, ctx.single = scale, single
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q_abs, q_pe, c, pe, idx, valid, o, lse = ctx.saved_tensors
+        q_abs, q_pe, c0, pe0, c1, pe1, idx, valid, o, lse = ctx.saved_tensors
         B, T, H, R = q_abs.shape
         K, DR = idx.shape[-1], q_pe.shape[-1]
-        grad_c, grad_pe = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        need = ctx.needs_input_grad
+        grad0 = need[2] or need[3]
+        grad1 = not ctx.single and (need[4] or need[5])
         do = torch.zeros_like(o) if do is None else do.contiguous()
         dqa, dqp = torch.empty_like(q_abs), torch.empty_like(q_pe)
-        dc = torch.zeros(c.shape, dtype=torch.float32, device=c.device) if grad_c else dqa
-        dpe = torch.zeros(pe.shape, dtype=torch.float32, device=c.device) if grad_pe else dqa
+        f32 = dict(dtype=torch.float32, device=o.device)
+        dc0, dpe0 = (torch.zeros(c0.shape, **f32), torch.zeros(pe0.shape, **f32)) if grad0 else (dqa, dqa)
+        dc1, dpe1 = (torch.zeros(c1.shape, **f32), torch.zeros(pe1.shape, **f32)) if grad1 else (dqa, dqa)
         if T and H:
-            grid, meta = _launch(q_abs, c)
-            _bwd_kernel[grid](q_abs, q_pe, c, pe, idx, valid, o, lse, do, dlse.contiguous() if dlse is not None else lse,
-                              dqa, dqp, dc, dpe, H, K, R, DR, ctx.scale,
-                              *q_abs.stride()[:3], *q_pe.stride()[:3], c.stride(0), c.stride(1), pe.stride(0),
-                              pe.stride(1), idx.stride(0), idx.stride(1), *o.stride()[:3], lse.stride(0), lse.stride(1),
-                              dc.stride(0), dc.stride(1), dpe.stride(0), dpe.stride(1),
-                              DRP=_pow2(DR), HAS_DLSE=dlse is not None, GRAD_C=grad_c, GRAD_PE=grad_pe, **meta)
-        return (dqa, dqp, dc.to(c.dtype) if grad_c else None, dpe.to(pe.dtype) if grad_pe else None,
-                None, None, None)
+            grid, meta = _launch(q_abs, c0)
+            _bwd_kernel[grid](q_abs, q_pe, c0, pe0, c1, pe1, idx, valid, o, lse, do,
+                              dlse.contiguous() if dlse is not None else lse, dqa, dqp, dc0, dpe0, dc1, dpe1,
+                              H, K, R, DR, c0.shape[1], ctx.scale,
+                              *q_abs.stride()[:3], *q_pe.stride()[:3], *_strides(c0), *_strides(pe0), *_strides(c1),
+                              *_strides(pe1), idx.stride(0), idx.stride(1), *o.stride()[:3], lse.stride(0),
+                              lse.stride(1), *_strides(dc0), *_strides(dpe0), *_strides(dc1), *_strides(dpe1),
+                              DRP=_pow2(DR), HAS_DLSE=dlse is not None, GRAD0=grad0, GRAD1=grad1, **meta)
+        grads = [dc0.to(c0.dtype) if grad0 and need[2] else None, dpe0.to(pe0.dtype) if grad0 and need[3] else None,
+                 dc1.to(c1.dtype) if grad1 and need[4] else None, dpe1.to(pe1.dtype) if grad1 and need[5] else None]
+        return (dqa, dqp, *grads, None, None, None, None)
 
 
 def mla_sparse_partial(q_nope, q_pe, c_kv, k_pe, w_uk, idx, valid, scale: float,
                        query_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """ops/dsa.mla_sparse_partial's contract: (o_lat [B, T, H, R], lse [B, T, H] float32). `query_block`
-    is the twin's memory bound (its gathered latents); the kernel gathers none, so it does not apply."""
+    """ops/dsa.mla_sparse_partial's contract: (o_lat [B, T, H, R], lse [B, T, H] float32). `c_kv`, `k_pe`: tensors
+    or (head, tail) pairs of their rows (ops/dsa.py), read where they lie. `query_block` is the twin's memory
+    bound (its gathered latents); the kernel gathers none, so it does not apply."""
     q_abs = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)
-    return _SparsePartial.apply(q_abs, q_pe, c_kv, k_pe, idx, valid, scale)
+    if isinstance(c_kv, tuple):
+        (c0, c1), (pe0, pe1) = c_kv, k_pe
+        return _SparsePartial.apply(q_abs, q_pe, c0, pe0, c1.to(c0.dtype), pe1.to(pe0.dtype), idx, valid, scale, False)
+    return _SparsePartial.apply(q_abs, q_pe, c_kv, k_pe, c_kv, k_pe, idx, valid, scale, True)
 
 
 def mla_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, valid, scale: float, query_block: int = 0) -> torch.Tensor:

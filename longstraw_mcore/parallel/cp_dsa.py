@@ -128,10 +128,17 @@ def attend_latent_sharded(query, keys, own, tp_group, kv, layout: CPLayout | Non
     c, k_pe = keys.c, keys.pe
     if kv is not None and torch.is_grad_enabled():
         # the call's own latents are computed on every TP rank: their gradient sums over the group
-        # (the state rows are each rank's own stripe: theirs stays local)
+        # (the state rows are each rank's own stripe: theirs stays local). Keys arrive as (state, own)
+        # row pairs from the prompt state (prompt_state/mla.py), or whole (a capture chunk's buffer)
         n = own.c.shape[1]
-        c = torch.cat([c[:, :-n], copy_to(c[:, -n:], group=tp_group)], 1)
-        k_pe = torch.cat([k_pe[:, :-n], copy_to(k_pe[:, -n:], group=tp_group)], 1)
+
+        def own_rows_summed(x):
+            if isinstance(x, tuple):
+                assert x[1].shape[1] == n, (x[1].shape, n)
+                return x[0], copy_to(x[1], group=tp_group)
+            return torch.cat([x[:, :-n], copy_to(x[:, -n:], group=tp_group)], 1)
+
+        c, k_pe = own_rows_summed(c), own_rows_summed(k_pe)
     o_lat = sharded_mla_sparse(q_nope, q_pe, c, k_pe, keys.pos, keys.counted, w_uk, sel, valid, query.scale, levels,
                                query.query_block)
     if kv is not None:

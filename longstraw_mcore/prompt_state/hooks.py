@@ -70,9 +70,9 @@ class MLAKeys:
     """What a call's queries may attend to: latents, RoPE keys, indexer keys (None on shared layers),
     and the keys' absolute positions."""
 
-    c: torch.Tensor            # [B, S, R]
-    pe: torch.Tensor           # [B, S, Dr]
-    ik: torch.Tensor | None    # [B, S, Di]
+    c: torch.Tensor            # [B, S, R], or a (head, tail) pair of its rows (ops/dsa.py: state, own)
+    pe: torch.Tensor           # [B, S, Dr], likewise
+    ik: torch.Tensor | None    # [B, S, Di], likewise
     pos: torch.Tensor          # [S] global positions
     counted: torch.Tensor | None = None  # [S] bool: rows this rank counts when the state is sharded (None: all)
 
@@ -143,7 +143,8 @@ class StateHooks:
                                                                          query.topk, query.block)
             selection = (rows, vals > float("-inf"))
         idx, valid = selection
-        c, k_pe = copy_to(keys.c, group=tp_group), copy_to(keys.pe, group=tp_group)
+        c, k_pe = (tuple(copy_to(t, group=tp_group) for t in x) if isinstance(x, tuple) else copy_to(x, group=tp_group)
+                   for x in (keys.c, keys.pe))
         return dsa_kernel(query.q_nope, "dsa_attention").mla_sparse(query.q_nope, query.q_pe, c, k_pe, query.w_uk, query.w_uv, idx, valid, query.scale,
                           query.query_block), selection
 

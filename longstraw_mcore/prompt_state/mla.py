@@ -21,9 +21,10 @@ rows, and inside the TP group (one latent serves every head) TP rank t keeps eve
 (rows i with i % n = t): 1/(tp cp) of the positions per rank, with their global positions
 (parallel/cp_dsa.py selects and attends across the ranks).
 
-Not yet (said where it would go): a gradient that skips
-the full-size temporary of a gather's backward (today each replayed branch's latent gradient is
-materialised at full prompt size per layer before it is added to the leaf).
+The state and a call's own rows reach the attention as a (head, tail) pair of their rows (`_cat`), never
+joined by the DSA kernels (ops/dsa_triton_*.py): no per-call copy of the state, and gradient buffers of
+each part's own size (none for a detached state). The plain twins join them, and their gather's
+backward still materialises the latents' gradient at full prompt size per layer.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from longstraw_mcore.prompt_state.hooks import MLAKeys
 
 
 def _cat(a, b):
-    if a.shape[0] != b.shape[0]:
-        a = a.expand(b.shape[0], *a.shape[1:])
-    return torch.cat([a, b.to(a.dtype)], 1)
+    """The state's rows and the call's own, as a (head, tail) pair: the DSA kernels read them where they
+    lie, the twins join them (ops/dsa.py joined_rows: the head of batch 1 expanded to the call's batch)."""
+    return a, b.to(a.dtype)
 
 
 

@@ -6,6 +6,9 @@ tests/dsa_interpreter_checks.py in a fresh process with TRITON_INTERPRET=1, floa
   - sparse MLA (ops/dsa_triton_mla.py): o_lat, lse and every gradient (queries, W_UK, and the latents and
     RoPE keys where they take one) within 1e-5 relative, with an upstream gradient into lse as the CP merge
     gives it; a detached prompt state gets no gradient; the one-rank `mla_sparse` through W_UV;
+  - keys and latents in two parts as the prompt state hands them over (its rows with batch 1, the call's
+    own with batch B), read in place by the kernels, each part's gradient of its own shape (the state's
+    none where it is detached);
   - CP=2 by hand: two zig-zag pieces, each piece's kernel top-k merged as the ranks merge them, each
     piece's partial attention merged by log-sum-exp, equal to the twin's one-rank selection and attention;
   - the dispatch: ops.dsa=triton runs the kernels on CPU float32 only under the interpreter, refuses
@@ -44,7 +47,8 @@ def test_indexer_kernel_selects_as_the_twin(checks):
 
 
 def test_sparse_mla_kernel_equals_the_twin(checks):
-    for case in ("mla_partial_exact", "mla_partial_detached", "mla_partial_dense", "mla_full", "cp2_pieces"):
+    for case in ("mla_partial_exact", "mla_partial_detached", "mla_partial_dense", "mla_full", "cp2_pieces",
+                 "mla_parts_detached", "mla_parts_exact"):
         c = checks[case]
         drift = {k: v for k, v in c.items() if isinstance(v, float) and not v <= TOL}
         assert not drift, (case, drift)
@@ -53,6 +57,14 @@ def test_sparse_mla_kernel_equals_the_twin(checks):
     assert "d_c_kv" not in checks["mla_partial_detached"]
     assert checks["cp2_pieces"]["selection_equal"] and "d_c_kv" in checks["cp2_pieces"]
     assert {"d_w_uv", "d_c_kv"} <= set(checks["mla_full"])
+    # the state's rows and the call's own as two parts, read in place: each part's gradient its own shape
+    assert checks["mla_parts_exact"]["shapes_equal"] and checks["mla_parts_detached"]["shapes_equal"]
+    assert "d_state_c" in checks["mla_parts_exact"] and "d_state_c" not in checks["mla_parts_detached"]
+
+
+def test_indexer_kernel_reads_keys_in_two_parts(checks):
+    c = checks["indexer_parts"]
+    assert c["rows_equal"] and c["valid_equal"] and c["scores"] <= TOL and c["tail_chosen"] > 0, c
 
 
 def test_dsa_dispatch(checks):
