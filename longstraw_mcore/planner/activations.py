@@ -101,8 +101,9 @@ def mla_bytes(m, tp: int, T: int, keys: int, query_block: int = 0, kernel: str =
     backward, so the terms that scale with top-k (indices, selected latents, mask, softmax) are kept
     for Tq = min(T, B) queries only. `kernel` (ops.dsa's, ops/kernel_choice.py dsa_kernel_name):
     "triton", the sparse MLA kernel (ops/dsa_triton_mla.py), gathers the selected latents inside the
-    kernel and keeps no logits or probabilities: it saves q in latent space, the rotated q, the visible
-    latents, the indices and an int8 validity copy, its output o_lat [T, h, R] (e) and lse [T, h]
+    kernel and keeps no logits or probabilities: it saves q in latent space, the rotated q, the indices
+    and an int8 validity copy (the visible latents are the prompt state's rows and the call's own, read
+    where they lie, not joined), its output o_lat [T, h, R] (e) and lse [T, h]
     (float32), for every query (the query blocks are the twin's; the kernel takes none)."""
     e, w = _elem(m.dtype), max(4, _elem(m.dtype))
     h, R, Dr, Dn, Dv, ql = (m.num_attention_heads // tp, m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim,
@@ -110,7 +111,9 @@ def mla_bytes(m, tp: int, T: int, keys: int, query_block: int = 0, kernel: str =
     k = min(m.index_topk, keys)
     Tq = min(T, query_block) if query_block > 0 and kernel == "plain" else T
     b = T * m.hidden_size * e + T * (R * (w + e) + w) + T * (ql * (w + e) + w) + T * ql * e   # x, norms, q_b input
-    b += 2 * T * Dr * e + T * h * (Dn + Dr) * e + Tq * k * 8 + keys * (R + Dr) * e         # RoPE, q, indices, visible
+    b += 2 * T * Dr * e + T * h * (Dn + Dr) * e + Tq * k * 8                                 # RoPE, q, indices
+    if kernel != "triton":  # the twin's visible latents, the state's rows and the call's joined (ops/dsa.py
+        b += keys * (R + Dr) * e  # joined_rows); the kernel reads the two parts where they lie
     b += 2 * T * h * R * e + T * h * Dr * e + Tq * k + T * h * Dv * e   # q latent, o_lat, rotated q, mask, o_proj input
     if kernel == "triton":
         return b + T * h * 4                                                                 # lse
@@ -118,11 +121,12 @@ def mla_bytes(m, tp: int, T: int, keys: int, query_block: int = 0, kernel: str =
 
 
 def mla_backward_scratch(m, T: int, keys: int, tp: int = 1, kernel: str = "plain") -> int:
-    """What an MLA + DSA layer's backward makes beside its saved tensors for T queries over `keys`.
-    "triton" (ops/dsa_triton_mla.py _SparsePartial.backward): the gradient of o_lat arriving [T, h, R],
-    dq in latent space and of the rotated q (e), and float32 gradient buffers of the visible latents'
-    and RoPE keys' full shape [keys, R], [keys, Dr] (both take a gradient wherever a backward runs: the
-    branch's own rows are among them), cast to e below float32. "plain": 0 here; the planner counts the
+    """What an MLA + DSA layer's backward makes beside its saved tensors for T queries whose `keys` latent
+    rows take a gradient. "triton" (ops/dsa_triton_mla.py _SparsePartial.backward): the gradient of o_lat
+    arriving [T, h, R], dq in latent space and of the rotated q (e), and float32 gradient buffers of the
+    latents and RoPE keys that take one, [keys, R], [keys, Dr] (the kernel reads the prompt state and a
+    call's own rows as two parts: a replayed branch's own rows, plus the state's in exact mode; a sweep
+    chunk's rows and the leaves before it), cast to e below float32. "plain": 0 here; the planner counts the
     twin's backward as one layer's saved tensors' worth (planner/memory.py phase_bytes)."""
     if kernel == "plain":
         return 0

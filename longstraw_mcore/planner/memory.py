@@ -278,6 +278,13 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     def backward_scratch(T, i, keys):  # what layer i's backward makes beside its saved tensors (score blocks)
         return layers[lt[i]].backward_scratch(m, T, keys, p.tp, kern(i))
 
+    def replay_keys(T, i):  # the keys layer i's replay backward makes gradients for: the DSA kernels read the
+        # state and the branch's rows as two parts and give only those that take a gradient one (the
+        # branch's; exact mode's state leaves too: ops/dsa_triton_mla.py); the others every visible key
+        if layers[lt[i]].kernel_name is not None and kern(i) != "plain":
+            return T + (rows(i) if exact else 0)
+        return max(rows(i), T)
+
     def checkpoints(T, i):  # layer i's own torch.utils.checkpoint calls under autograd (MLA query blocks)
         return layers[lt[i]].checkpoints(m, T, qb, kern(i))
 
@@ -310,11 +317,11 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     T = R * even_micro_steps(R, G, rc.batch_tokens)[1]  # the widest micro-step: its branches x R
     if recompute:  # one layer's backward: its recomputed saved tensors and its backward's scratch, or its
         # forward run again at its scores, beside the gradient of its output
-        top = max(max(one(T, T, i) + backward_scratch(T, i, max(rows(i), T)),
+        top = max(max(one(T, T, i) + backward_scratch(T, i, replay_keys(T, i)),
                       scores(T, rows(i) + T, i) + T * m.hidden_size * e) for i in stage)
     else:  # one layer's backward, what it makes beside its saved tensors: a kernel's backward_scratch (flash,
         # the DSA kernels); the twins' (score blocks, gathered latents) as one layer's saved tensors' worth
-        top = max(backward_scratch(T, i, max(rows(i), T)) if kern(i) != "plain" else one(T, T, i) for i in stage)
+        top = max(backward_scratch(T, i, replay_keys(T, i)) if kern(i) != "plain" else one(T, T, i) for i in stage)
     if last_stage:
         c = min(rc.logprob_chunk, R) * (T // R)
         vocab = m.padded_vocab_size(p.tp) // p.tp

@@ -59,8 +59,10 @@ def test_kernel_path_has_no_score_blocks_or_gathered_latents():
 
     # the sparse MLA's saved tensors: the twin's selected latents and RoPE keys [T, k, R + Dr] (e), its
     # logits' softmax [T, h, k] in float32 and the cast (e); the kernel's lse [T, h] float32 instead
-    gathered, probs, lse = T * k * (R + Dr) * e, T * h * k * (w + e), T * h * 4
-    assert mla_bytes(m, 1, T, keys) - mla_bytes(m, 1, T, keys, kernel="triton") == gathered + probs - lse
+    # and the visible latents joined [keys, R + Dr] (e): the kernel reads the state's rows and the call's own
+    # where they lie
+    gathered, probs, lse, joined = T * k * (R + Dr) * e, T * h * k * (w + e), T * h * 4, keys * (R + Dr) * e
+    assert mla_bytes(m, 1, T, keys) - mla_bytes(m, 1, T, keys, kernel="triton") == gathered + probs - lse + joined
     # the kernel takes no query blocks: memory.mla_query_block leaves its bytes as they are
     assert mla_bytes(m, 1, T, keys, 256, kernel="triton") == mla_bytes(m, 1, T, keys, kernel="triton")
     # per unit of top-k the kernel keeps only the indices (int64) and the validity (int8) of each query
@@ -69,7 +71,7 @@ def test_kernel_path_has_no_score_blocks_or_gathered_latents():
     assert mla_bytes(m, 1, T, keys) - mla_bytes(m2, 1, T, keys) == T * 1024 * (9 + (R + Dr) * e + h * (w + e))
 
     # the kernel's backward: dO_lat, dq in latent space and of the rotated q (e); float32 gradients of the
-    # visible latents and RoPE keys [keys, R], [keys, Dr] and their casts to e. The twin's: 0 here (the
+    # latents and RoPE keys that take one [keys, R], [keys, Dr] and their casts to e. The twin's: 0 here (the
     # planner counts its backward as a layer's saved tensors' worth)
     assert mla_backward_scratch(m, T, keys, 1, "triton") == T * h * (2 * R + Dr) * e + keys * (R + Dr) * (4 + e)
     assert mla_backward_scratch(m, T, keys, 1, "plain") == 0
@@ -106,3 +108,23 @@ def test_checkpoint_rng_state_and_query_block_count():
     assert mla_checkpoints(m, 399, 16) == 25
     assert mla_checkpoints(m, 16, 16) == 0 and mla_checkpoints(m, 399, 0) == 0
     assert mla_checkpoints(m, 399, 16, "triton") == 0
+
+
+def test_detached_replay_on_the_kernels_does_not_grow_with_the_prompt():
+    """On the DSA kernels a detached replay reads the prompt state where it lies and makes gradients only
+    for the branch's own rows: its phase bytes are the same at P = 20K and 40K (top-k 8 of the tiny config
+    far below both); in exact mode the state's leaves take a gradient, so the replay grows with P. The
+    twin joins the state's rows to the branch's (and its gather's backward is full size): it grows in both."""
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.planner.memory import phase_bytes
+
+    fam = get_family("glm_dsa")
+
+    def replay(mode, dsa, P):
+        cfg = _cfg("configs/glm-5.2-tiny.yaml", "model.num_layers=4", "model.dtype=bfloat16", f"replay.mode={mode}",
+                   f"ops.dsa={dsa}")
+        return phase_bytes(fam, cfg, P, 64, 2, range(4), True, "cuda")["replay"]
+
+    assert replay("detached", "triton", 20_000) == replay("detached", "triton", 40_000)
+    assert replay("exact", "triton", 20_000) < replay("exact", "triton", 40_000)
+    assert replay("detached", "plain", 20_000) < replay("detached", "plain", 40_000)
