@@ -111,21 +111,11 @@ def conv_kernel(x):
 
 def _dsa_missing(x) -> str | None:
     """Why the DSA kernels cannot run on tensors like `x` here, or None."""
-    import importlib.util
-
     from longstraw_mcore.ops import triton_interpret
 
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"tensors are {x.dtype} (the kernels run fp32 / bf16 / fp16; float64 runs the twin)"
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
-    if x.device.type == "cpu" and not triton_interpret.active():
-        return "tensors are on the CPU and Triton is not interpreting (TRITON_INTERPRET=1 runs the kernels on CPU)"
-    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
-        return "bf16 on the CPU (Triton's interpreter does not emulate bf16 arithmetic: ops/triton_interpret.py)"
-    if x.device.type not in ("cpu", "cuda"):
-        return f"tensors are on {x.device.type}"
-    return None
+    return triton_interpret.tensor_gap(x)
 
 
 def dsa_kernel(x, op: str):

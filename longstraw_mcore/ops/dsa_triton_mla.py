@@ -58,6 +58,23 @@ def _gather(p0, p1, b, row, N0, col, col_ok, in0, in1, s0_b, s0_s, s1_b, s1_s):
 
 
 @triton.jit
+def _block(qa, qp, c0_ptr, pe0_ptr, c1_ptr, pe1_ptr, idx_ptr, valid_ptr, b, t, k0, K, N0, r, r_ok, dr, dr_ok, scale,
+           sc0_b, sc0_s, spe0_b, spe0_s, sc1_b, sc1_s, spe1_b, spe1_s, si_b, si_t,
+           BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """Selected slots [k0, k0 + BLOCK_K) of query t: (valid, rows, in head part, in tail part, their latents
+    [BK, R], RoPE keys [BK, Dr], and the heads' logits [BH, BK] x scale in float32, before masking)."""
+    j = k0 + tl.arange(0, BLOCK_K)
+    j_ok = j < K
+    v = (tl.load(valid_ptr + b * si_b + t * si_t + j, mask=j_ok, other=0) != 0) & j_ok
+    row = tl.load(idx_ptr + b * si_b + t * si_t + j, mask=v, other=0)
+    in0, in1 = v & (row < N0), v & (row >= N0)          # the latents' two parts: head rows, tail rows
+    cs = _gather(c0_ptr, c1_ptr, b, row, N0, r, r_ok, in0, in1, sc0_b, sc0_s, sc1_b, sc1_s)
+    ps = _gather(pe0_ptr, pe1_ptr, b, row, N0, dr, dr_ok, in0, in1, spe0_b, spe0_s, spe1_b, spe1_s)
+    logits = (_dot(qa, tl.trans(cs), IEEE) + _dot(qp, tl.trans(ps), IEEE)) * scale
+    return v, row, in0, in1, cs, ps, logits
+
+
+@triton.jit
 def _fwd_kernel(qa_ptr, qp_ptr, c0_ptr, pe0_ptr, c1_ptr, pe1_ptr, idx_ptr, valid_ptr, o_ptr, lse_ptr,
                 H, K, R, DR, N0, scale,
                 sqa_b, sqa_t, sqa_h, sqp_b, sqp_t, sqp_h, sc0_b, sc0_s, spe0_b, spe0_s, sc1_b, sc1_s, spe1_b, spe1_s,
@@ -80,14 +97,9 @@ def _fwd_kernel(qa_ptr, qp_ptr, c0_ptr, pe0_ptr, c1_ptr, pe1_ptr, idx_ptr, valid
     l = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, RP), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        j = k0 + tl.arange(0, BLOCK_K)
-        j_ok = j < K
-        v = (tl.load(valid_ptr + b * si_b + t * si_t + j, mask=j_ok, other=0) != 0) & j_ok
-        row = tl.load(idx_ptr + b * si_b + t * si_t + j, mask=v, other=0)
-        in0, in1 = v & (row < N0), v & (row >= N0)          # the latents' two parts: head rows, tail rows
-        cs = _gather(c0_ptr, c1_ptr, b, row, N0, r, r_ok, in0, in1, sc0_b, sc0_s, sc1_b, sc1_s)
-        ps = _gather(pe0_ptr, pe1_ptr, b, row, N0, dr, dr_ok, in0, in1, spe0_b, spe0_s, spe1_b, spe1_s)
-        logits = (_dot(qa, tl.trans(cs), IEEE) + _dot(qp, tl.trans(ps), IEEE)) * scale
+        v, row, in0, in1, cs, ps, logits = _block(
+            qa, qp, c0_ptr, pe0_ptr, c1_ptr, pe1_ptr, idx_ptr, valid_ptr, b, t, k0, K, N0, r, r_ok, dr, dr_ok, scale,
+            sc0_b, sc0_s, spe0_b, spe0_s, sc1_b, sc1_s, spe1_b, spe1_s, si_b, si_t, BLOCK_K, IEEE)
         logits = tl.where(v[None, :], logits, float("-inf"))
         m_new = tl.maximum(m, tl.max(logits, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -147,14 +159,9 @@ def _bwd_kernel(qa_ptr, qp_ptr, c0_ptr, pe0_ptr, c1_ptr, pe1_ptr, idx_ptr, valid
     dqa = tl.zeros((BLOCK_H, RP), tl.float32)
     dqp = tl.zeros((BLOCK_H, DRP), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        j = k0 + tl.arange(0, BLOCK_K)
-        j_ok = j < K
-        v = (tl.load(valid_ptr + b * si_b + t * si_t + j, mask=j_ok, other=0) != 0) & j_ok
-        row = tl.load(idx_ptr + b * si_b + t * si_t + j, mask=v, other=0)
-        in0, in1 = v & (row < N0), v & (row >= N0)          # the latents' two parts: head rows, tail rows
-        cs = _gather(c0_ptr, c1_ptr, b, row, N0, r, r_ok, in0, in1, sc0_b, sc0_s, sc1_b, sc1_s)
-        ps = _gather(pe0_ptr, pe1_ptr, b, row, N0, dr, dr_ok, in0, in1, spe0_b, spe0_s, spe1_b, spe1_s)
-        logits = (_dot(qa, tl.trans(cs), IEEE) + _dot(qp, tl.trans(ps), IEEE)) * scale
+        v, row, in0, in1, cs, ps, logits = _block(
+            qa, qp, c0_ptr, pe0_ptr, c1_ptr, pe1_ptr, idx_ptr, valid_ptr, b, t, k0, K, N0, r, r_ok, dr, dr_ok, scale,
+            sc0_b, sc0_s, spe0_b, spe0_s, sc1_b, sc1_s, spe1_b, spe1_s, si_b, si_t, BLOCK_K, IEEE)
         p = tl.where(v[None, :] & some[:, None], tl.exp(logits - lse_safe[:, None]), 0.0)
         dp = _dot(do.to(cs.dtype), tl.trans(cs), IEEE)
         ds = p * (dp - dd[:, None])                                               # d logits (before scale)

@@ -60,14 +60,9 @@ def missing(v: torch.Tensor, key_dim: int | None = None) -> str | None:
 
     if v.dtype not in DTYPES:
         return f"values are {v.dtype} (fla runs bf16 / fp16 / fp32)"
-    if v.device.type == "cpu" and not triton_interpret.active():
-        return "values are on the CPU and Triton is not interpreting (TRITON_INTERPRET=1 runs fla on CPU tensors)"
-    if v.device.type == "cpu" and v.dtype == torch.bfloat16:
-        return "bf16 values on the CPU (Triton's interpreter does not emulate bf16 arithmetic: ops/triton_interpret.py)"
-    if v.device.type not in ("cpu", "cuda"):
-        return f"values are on {v.device.type}"
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
+    gap = triton_interpret.tensor_gap(v, "values")
+    if gap is not None:
+        return gap
     if importlib.util.find_spec("fla") is None:
         return "flash-linear-attention (fla-core) is not installed"
     if key_dim is not None and key_dim <= GATE_MAX_SAFE_K and _hopper_gate_applies(v.device):

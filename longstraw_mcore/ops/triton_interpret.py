@@ -26,7 +26,8 @@ forward at T = 80, K = V = 32. Its numbers are the kernel's algorithm in float32
 it does not reproduce GPU-specific miscompiles (fla issue #640), which only a device run can catch.
 
 `active()`: whether Triton runs interpreted in this process. `install()`: apply the bridges
-(idempotent; nothing happens unless active).
+(idempotent; nothing happens unless active). `tensor_gap(x, noun)`: why a Triton kernel cannot take
+tensors like `x` here (the device, the interpreter's bf16), or None.
 """
 
 from __future__ import annotations
@@ -45,6 +46,25 @@ def active() -> bool:
         return False
     knobs = getattr(triton, "knobs", None)
     return bool(knobs is not None and knobs.runtime.interpret)
+
+
+def tensor_gap(x, noun: str = "tensors") -> str | None:
+    """What keeps a Triton kernel from tensors like `x` here, whatever the kernel: Triton missing, CPU tensors
+    without the interpreter, bf16 on the CPU (the interpreter's bf16 is not bf16), another device. The
+    kernel's own dtypes and limits are its caller's to check."""
+    import importlib.util
+
+    import torch
+
+    if x.device.type == "cpu" and not active():
+        return f"{noun} are on the CPU and Triton is not interpreting (TRITON_INTERPRET=1 runs the kernels on CPU tensors)"
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        return f"bf16 {noun} on the CPU (Triton's interpreter does not emulate bf16 arithmetic: ops/triton_interpret.py)"
+    if x.device.type not in ("cpu", "cuda"):
+        return f"{noun} are on {x.device.type}"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    return None
 
 
 def _scalar_range(*bounds):

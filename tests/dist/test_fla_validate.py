@@ -16,16 +16,9 @@ check), bf16 (fla's rounding differs by design), TP (the same per-rank calls on 
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-
 import pytest
+from interpreter_validate import check_equal, validate, write_tree_group
 
-from launch import longstraw
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 TOL = 1e-5
 
 
@@ -34,41 +27,16 @@ def case(tmp_path_factory):
     pytest.importorskip("fla", reason="fla-core (the test extra) holds the kernels under test")
     from hf_reference import build_hf_model, tiny_model_config
 
-    from longstraw_mcore.data.rollouts import RolloutGroup, write_rollouts
-
     tmp = tmp_path_factory.mktemp("fla_validate")
     m = tiny_model_config(num_layers=2, full_attention_interval=2, linear_key_head_dim=16, linear_value_head_dim=16,
                           dtype="float32")
     build_hf_model(m, seed=5).save_pretrained(tmp / "hf")
-    import random
-
-    rng = random.Random(3)
-    tok = lambda n: [rng.randrange(m.vocab_size) for _ in range(n)]  # noqa: E731
-    shared_a, shared_b = tok(4), tok(3)
-    responses = [shared_a + tok(5), shared_a + tok(3), shared_b + tok(6), tok(7)]
-    write_rollouts(tmp / "r.jsonl", [RolloutGroup(prompt=tok(90), responses=responses, rewards=[0.1, 0.9, 0.4, 0.7])])
+    write_tree_group(tmp / "r.jsonl", m.vocab_size, 90)
     return tmp
 
 
-def _validate(tmp, name: str, ranks: int, *overrides: str, interpret: bool):
-    out = tmp / name
-    env = {"TRITON_INTERPRET": "1"} if interpret else {}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        r = longstraw(ranks, "validate", "--hf", str(tmp / "hf"), "--rollouts", str(tmp / "r.jsonl"), "--out", str(out),
-                      "--mode", "exact", "--dump-grads", "device=cpu", "replay.chunk_len=32", *overrides, timeout=600)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out, json.loads((out / "receipt.json").read_text())
-
-
 def test_fla_validate_equals_the_twin(case):
-    from compare_validate import compare
-
-    twin, tr = _validate(case, "plain", 1, "ops.gdn=plain", interpret=False)
+    twin, tr = validate(case, "plain", 1, "ops.gdn=plain", interpret=False, chunk_len=32)
     assert tr["kernels"]["gdn_rule"] == {"plain": tr["kernels"]["gdn_rule"]["plain"]} and "fla" not in tr["kernels"]["gdn_conv"]
     assert tr["seconds"].get("prompt_backward", 0) > 0
     assert tr["replayed_tokens"] < tr["response_tokens"]  # the shared prefix ran once, as a segment
@@ -76,13 +44,6 @@ def test_fla_validate_equals_the_twin(case):
             ("fla_cp2_sequence", 2, ("parallel.cp=2", "model.gdn_cp=sequence"))]
     worst = {}
     for name, ranks, extra in runs:
-        out, rec = _validate(case, name, ranks, "ops.gdn=fla", *extra, interpret=True)
-        assert rec["software"]["triton_interpreter"] is True
-        for op in ("gdn_rule", "gdn_conv"):
-            assert set(rec["kernels"][op]) == {"fla"} and rec["kernels"][op]["fla"] > 0, (name, rec["kernels"])
-        d = compare(out, twin)
-        worst[name] = {k: d[k] for k in ("loss", "logprob_abs", "grad_worst", "grad_worst_name")}
-        assert d["loss"] <= TOL and d["logprob_abs"] <= TOL * max(1.0, max(abs(x) for g in tr["logprobs"] for b in g
-                                                                            for x in b)), (name, d)
-        assert d["grad_worst"] <= TOL, (name, d)
+        out, rec = validate(case, name, ranks, "ops.gdn=fla", *extra, interpret=True, chunk_len=32)
+        worst[name] = check_equal(name, out, rec, twin, tr, ("gdn_rule", "gdn_conv"), "fla", TOL)
     print("fla under the interpreter vs the twin:", worst)

@@ -37,7 +37,7 @@ def test_state_formulas_by_hand():
 def test_parameter_count_equals_the_reference_models():
     from hf_reference import build_hf_model, tiny_model_config
 
-    from longstraw_mcore.planner.memory import rank_params
+    from longstraw_mcore.planner.weights import rank_params
     from longstraw_mcore.families import get_family
 
     m = tiny_model_config()

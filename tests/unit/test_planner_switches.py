@@ -139,7 +139,7 @@ def test_recompute_keeps_each_layers_input_and_one_layer():
 
 def test_optimizer_offload_moves_the_optimizer_and_adds_a_gradient_shard():
     from longstraw_mcore.families import get_family
-    from longstraw_mcore.planner.memory import stage_weights
+    from longstraw_mcore.planner.weights import stage_weights
 
     # sharded over data x context parallel (2 ranks here) either way: micro_step's own shards, or under
     # step reduction Megatron's distributed optimizer, which HybridDeviceOptimizer needs (RunConfig.
@@ -165,7 +165,7 @@ def test_grad_offload_leaves_one_bucket_on_the_device():
     micro-step (the replay's under replay.batch_tokens, + the chunks in exact mode)."""
     from longstraw_mcore.families import get_family
     from longstraw_mcore.planner.devices import device_profile
-    from longstraw_mcore.planner.memory import stage_weights
+    from longstraw_mcore.planner.weights import stage_weights
     from longstraw_mcore.planner.timing import PCIE_BYTES_PER_S, plan_time
 
     layout = ("parallel.tp=4", "parallel.cp=2", "train.grad_reduction=micro_step")
