@@ -168,7 +168,8 @@ def _bwd_kernel(qa_ptr, qp_ptr, c0_ptr, pe0_ptr, c1_ptr, pe1_ptr, idx_ptr, valid
         dqa += _dot(ds.to(cs.dtype), cs, IEEE)
         dqp += _dot(ds.to(ps.dtype), ps, IEEE)
         if GRAD0 or GRAD1:
-            dcs = _dot(tl.trans(ds.to(qa.dtype)), qa, IEEE) * scale + _dot(tl.trans(p.to(cs.dtype)), do.to(cs.dtype), IEEE)
+            dcs = (_dot(tl.trans(ds.to(qa.dtype)), qa, IEEE) * scale
+                   + _dot(tl.trans(p.to(cs.dtype)), do.to(cs.dtype), IEEE))
             _scatter_add(dc0_ptr, dc1_ptr, b, row, N0, r, r_ok, in0, in1, sdc0_b, sdc0_s, sdc1_b, sdc1_s, dcs,
                          GRAD0, GRAD1)
             dps = _dot(tl.trans(ds.to(qp.dtype)), qp, IEEE) * scale

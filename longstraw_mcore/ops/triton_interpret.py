@@ -57,9 +57,11 @@ def tensor_gap(x, noun: str = "tensors") -> str | None:
     import torch
 
     if x.device.type == "cpu" and not active():
-        return f"{noun} are on the CPU and Triton is not interpreting (TRITON_INTERPRET=1 runs the kernels on CPU tensors)"
+        return (f"{noun} are on the CPU and Triton is not interpreting "
+                "(TRITON_INTERPRET=1 runs the kernels on CPU tensors)")
     if x.device.type == "cpu" and x.dtype == torch.bfloat16:
-        return f"bf16 {noun} on the CPU (Triton's interpreter does not emulate bf16 arithmetic: ops/triton_interpret.py)"
+        return (f"bf16 {noun} on the CPU "
+                "(Triton's interpreter does not emulate bf16 arithmetic: ops/triton_interpret.py)")
     if x.device.type not in ("cpu", "cuda"):
         return f"{noun} are on {x.device.type}"
     if importlib.util.find_spec("triton") is None:

@@ -86,7 +86,8 @@ def sharded_mla_sparse(q_nope, q_pe, c_kv, k_pe, key_pos, counted, w_uk, sel_pos
     lookup[kp] = rows
     loc = lookup[sel_pos.clamp(0, size)]
     mine = valid & (loc >= 0)
-    o, lse = dsa_kernel(q_nope, "dsa_attention").mla_sparse_partial(q_nope, q_pe, c_kv, k_pe, w_uk, loc.clamp(min=0), mine, scale, query_block)
+    kernel = dsa_kernel(q_nope, "dsa_attention")
+    o, lse = kernel.mla_sparse_partial(q_nope, q_pe, c_kv, k_pe, w_uk, loc.clamp(min=0), mine, scale, query_block)
     for group in levels:
         o, lse = lse_merge(o, lse, group)
     return o
@@ -119,7 +120,8 @@ def attend_latent_sharded(query, keys, own, tp_group, kv, layout: CPLayout | Non
             qi, wi = query.index
             if chunk is not None:
                 qi, wi = gather_tokens(qi, layout, chunk[0]), gather_tokens(wi, layout, chunk[0])
-            kr, vals = dsa_kernel(qi, "dsa_indexer").indexer_topk(qi, keys.ik, wi, q_pos, keys.pos, query.topk, query.block, keys.counted)
+            kernel = dsa_kernel(qi, "dsa_indexer")
+            kr, vals = kernel.indexer_topk(qi, keys.ik, wi, q_pos, keys.pos, query.topk, query.block, keys.counted)
             sel = keys.pos[kr]
             for g in levels:
                 sel, vals = cp_select(vals, sel, query.topk, g)

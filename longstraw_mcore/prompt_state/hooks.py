@@ -143,10 +143,13 @@ class StateHooks:
                                                                          query.topk, query.block)
             selection = (rows, vals > float("-inf"))
         idx, valid = selection
-        c, k_pe = (tuple(copy_to(t, group=tp_group) for t in x) if isinstance(x, tuple) else copy_to(x, group=tp_group)
-                   for x in (keys.c, keys.pe))
-        return dsa_kernel(query.q_nope, "dsa_attention").mla_sparse(query.q_nope, query.q_pe, c, k_pe, query.w_uk, query.w_uv, idx, valid, query.scale,
-                          query.query_block), selection
+        def replicated(x):  # a key tensor or its (state, own) parts (ops/dsa.py)
+            return tuple(copy_to(t, group=tp_group) for t in x) if isinstance(x, tuple) else copy_to(x, group=tp_group)
+
+        c, k_pe = replicated(keys.c), replicated(keys.pe)
+        kernel = dsa_kernel(query.q_nope, "dsa_attention")
+        return kernel.mla_sparse(query.q_nope, query.q_pe, c, k_pe, query.w_uk, query.w_uv, idx, valid, query.scale,
+                                 query.query_block), selection
 
     # Megatron's TransformerLayer/Block only query these under CUDA-graph inference; answer plainly.
     def is_static_batching(self) -> bool:
