@@ -115,30 +115,33 @@ fi
 # 2 validate_fla: the tiny hybrid with 2 layers (Gated DeltaNet + attention), float32, a prefix-tree group
 # (tests/hf_reference.py's weights: a decay that matters, so no gradient is a near-cancelling sum)
 small="model.num_layers=2 model.full_attention_interval=2 model.linear_key_head_dim=$gdnk model.linear_value_head_dim=$gdnk"
-$py - "$work/hf32" "$work/tree.jsonl" "$gdnk" <<'PY'
-import random, sys
+$py - "$work/hf32" "$gdnk" <<'PY'
+import sys
 sys.path.insert(0, "tests")
 from hf_reference import build_hf_model, tiny_model_config
-from longstraw_mcore.data.rollouts import RolloutGroup, write_rollouts
-d = int(sys.argv[3])
+d = int(sys.argv[2])
 build_hf_model(tiny_model_config(num_layers=2, full_attention_interval=2, vocab_size=512, linear_key_head_dim=d,
                                  linear_value_head_dim=d, dtype="float32"), seed=5).save_pretrained(sys.argv[1])
-rng = random.Random(3)
-tok = lambda n: [rng.randrange(512) for _ in range(n)]
-a = tok(4)
-write_rollouts(sys.argv[2], [RolloutGroup(prompt=tok(150), responses=[a + tok(6), a + tok(3), tok(8), tok(5)],
-                                          rewards=[0.1, 0.9, 0.4, 0.7])])
 PY
-validate_fla() {
-  rm -rf "$work/val_plain" "$work/val_fla"
-  local v=(validate --hf "$work/hf32" --rollouts "$work/tree.jsonl" --mode exact --dump-grads)
-  local o=(device=$dev model.dtype=float32 replay.chunk_len=64)
-  $lt "${v[@]}" --out "$work/val_plain" "${o[@]}" ops.gdn=plain \
-    && $interp $lt "${v[@]}" --out "$work/val_fla" "${o[@]}" ops.gdn=fla \
-    && $py tools/compare_validate.py "$work/val_fla" "$work/val_plain" --tol 5e-3 --json "$out/validate_fla.json" \
+$py tools/make_rollouts.py "$work/tree.jsonl" --vocab 512 --prompt-len 150 --tree > /dev/null
+# kernel_vs_twin NAME HF ROLLOUTS CHUNK TOL SWITCH FAST OP...: `validate` (float32, exact, gradients dumped)
+# with SWITCH=plain and SWITCH=FAST (under Triton's interpreter in the CPU rehearsal), compared by
+# tools/compare_validate.py -> OUT/validate_NAME.json; the FAST run's receipt names FAST for every OP
+kernel_vs_twin() {
+  local name=$1 hf=$2 roll=$3 chunk=$4 tol=$5 switch=$6 fast=$7
+  shift 7
+  rm -rf "$work/${name}_plain" "$work/${name}_fast"
+  local v=(validate --hf "$hf" --rollouts "$roll" --mode exact --dump-grads)
+  local o=(device=$dev model.dtype=float32 replay.chunk_len=$chunk)
+  $lt "${v[@]}" --out "$work/${name}_plain" "${o[@]}" "$switch=plain" \
+    && $interp $lt "${v[@]}" --out "$work/${name}_fast" "${o[@]}" "$switch=$fast" \
+    && $py tools/compare_validate.py "$work/${name}_fast" "$work/${name}_plain" --tol "$tol" \
+      --json "$out/validate_$name.json" \
     && $py -c 'import json, sys; k = json.load(open(sys.argv[1]))["kernels"]; print("kernels", k)
-assert set(k["gdn_rule"]) == {"fla"} and set(k["gdn_conv"]) == {"fla"}, k' "$work/val_fla/receipt.json"
+assert all(set(k[op]) == {sys.argv[2]} for op in sys.argv[3:]), k' "$work/${name}_fast/receipt.json" "$fast" "$@"
 }
+export -f kernel_vs_twin  # (the step functions run in child shells)
+validate_fla() { kernel_vs_twin fla "$work/hf32" "$work/tree.jsonl" 64 5e-3 ops.gdn fla gdn_rule gdn_conv; }
 step validate_fla 50 validate_fla
 
 # 3 validate_f64: CUDA against the CPU (the rehearsal: the CPU run alone)
@@ -183,24 +186,9 @@ fi
 # 6 glm: the DSA kernels against the twins through `validate` (the tiny GLM, 4 layers: three full indexer
 # layers and a shared one, top-k 8 of a 40-token prompt), then GLM-5.2's width on the kernels
 $py tools/make_hf_model.py "$work/hf_glm" --config configs/glm-5.2-tiny.yaml --seed 3 model.num_layers=4 > /dev/null
-$py - "$work/tree_glm.jsonl" <<'PY'
-import random, sys
-from longstraw_mcore.data.rollouts import RolloutGroup, write_rollouts
-rng = random.Random(3)
-tok = lambda n: [rng.randrange(256) for _ in range(n)]
-a = tok(4)
-write_rollouts(sys.argv[1], [RolloutGroup(prompt=tok(40), responses=[a + tok(5), a + tok(3), tok(6), tok(7)],
-                                          rewards=[0.1, 0.9, 0.4, 0.7])])
-PY
+$py tools/make_rollouts.py "$work/tree_glm.jsonl" --vocab 256 --prompt-len 40 --tree > /dev/null
 glm_check() {
-  rm -rf "$work/glm_plain" "$work/glm_triton"
-  local v=(validate --hf "$work/hf_glm" --rollouts "$work/tree_glm.jsonl" --mode exact --dump-grads)
-  local o=(device=$dev model.dtype=float32 replay.chunk_len=16)
-  $lt "${v[@]}" --out "$work/glm_plain" "${o[@]}" ops.dsa=plain \
-    && $interp $lt "${v[@]}" --out "$work/glm_triton" "${o[@]}" ops.dsa=triton \
-    && $py tools/compare_validate.py "$work/glm_triton" "$work/glm_plain" --tol 1e-4 --json "$out/validate_glm.json" \
-    && $py -c 'import json, sys; k = json.load(open(sys.argv[1]))["kernels"]; print("kernels", k)
-assert set(k["dsa_indexer"]) == {"triton"} and set(k["dsa_attention"]) == {"triton"}, k' "$work/glm_triton/receipt.json" \
+  kernel_vs_twin glm "$work/hf_glm" "$work/tree_glm.jsonl" 16 1e-4 ops.dsa triton dsa_indexer dsa_attention \
     || return 1
   if [ "$dev" = cuda ]; then
     $py tools/bench_ladder.py --config configs/glm-5.2.yaml --prompt-lens 8192,32768,131072 --response-len 1024 \

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sys
 
 from launch import ROOT, longstraw
@@ -16,15 +15,12 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
 def write_tree_group(path, vocab: int, prompt_len: int) -> None:
-    """One group: a `prompt_len`-token prompt, responses [a+5, a+3, b+6, 7] with shared prefixes a (4 tokens)
-    and b (3): the first two replay their shared tokens once, as a segment."""
-    from longstraw_mcore.data.rollouts import RolloutGroup, write_rollouts
+    """tools/make_rollouts.py's `tree_group` (a prompt, four responses sharing prefixes) written to `path`."""
+    from make_rollouts import tree_group
 
-    rng = random.Random(3)
-    tok = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
-    shared_a, shared_b = tok(4), tok(3)
-    responses = [shared_a + tok(5), shared_a + tok(3), shared_b + tok(6), tok(7)]
-    write_rollouts(path, [RolloutGroup(prompt=tok(prompt_len), responses=responses, rewards=[0.1, 0.9, 0.4, 0.7])])
+    from longstraw_mcore.data.rollouts import write_rollouts
+
+    write_rollouts(path, [tree_group(vocab, prompt_len)])
 
 
 def validate(tmp, name: str, ranks: int, *overrides: str, interpret: bool, chunk_len: int):

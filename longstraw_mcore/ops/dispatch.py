@@ -30,11 +30,9 @@ from __future__ import annotations
 import dataclasses
 from contextlib import contextmanager
 
-import torch
-
 from longstraw_mcore.config import OpsConfig
-from longstraw_mcore.ops import block_attention, dsa, fla_gdn, flash_attention, gated_delta
-from longstraw_mcore.ops.kernel_choice import attention_kernel_name
+from longstraw_mcore.ops import block_attention, dsa, fla_gdn, flash_attention, gated_delta, triton_interpret
+from longstraw_mcore.ops.kernel_choice import DSA_DTYPES, attention_kernel_name
 
 _choice = OpsConfig()
 _runs: dict[str, dict[str, int]] = {}
@@ -111,9 +109,7 @@ def conv_kernel(x):
 
 def _dsa_missing(x) -> str | None:
     """Why the DSA kernels cannot run on tensors like `x` here, or None."""
-    from longstraw_mcore.ops import triton_interpret
-
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if str(x.dtype).removeprefix("torch.") not in DSA_DTYPES:
         return f"tensors are {x.dtype} (the kernels run fp32 / bf16 / fp16; float64 runs the twin)"
     return triton_interpret.tensor_gap(x)
 
@@ -133,8 +129,6 @@ def dsa_kernel(x, op: str):
     _record(op, "plain" if why else "triton")
     if why:
         return dsa
-    from longstraw_mcore.ops import triton_interpret
-
     triton_interpret.install()
     if op == "dsa_indexer":
         from longstraw_mcore.ops import dsa_triton_indexer as mod

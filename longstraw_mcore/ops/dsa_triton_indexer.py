@@ -32,13 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
+from longstraw_mcore.ops.dsa import rows_count
+from longstraw_mcore.ops.dsa_triton_common import in_place, pow2, row_strides
+
 BT = 16  # queries per program (tl.dot needs >= 16 rows)
-INT64_MIN = -(2 ** 63)
-LOW32 = 0xFFFFFFFF
-
-
-def _pow2(n: int, at_least: int = 16) -> int:
-    return max(at_least, triton.next_power_of_2(n))
 
 
 @triton.jit
@@ -100,16 +97,6 @@ def _indexer_topk_kernel(q_ptr, k0_ptr, k1_ptr, w_ptr, qpos_ptr, kpos_ptr, count
     tl.store(vals_ptr + out, val, mask=ok)
 
 
-def _rows(x):
-    """A key tensor, or one part of its rows: read in place (a batch of 1 serves every row, stride 0), only
-    its last dim made contiguous."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def batch_stride(x) -> int:
-    return 0 if x.shape[0] == 1 else x.stride(0)
-
-
 def indexer_topk(q: torch.Tensor, key, weights: torch.Tensor, q_pos: torch.Tensor,
                  k_pos: torch.Tensor, k: int, block: int = 0,
                  counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,9 +105,9 @@ def indexer_topk(q: torch.Tensor, key, weights: torch.Tensor, q_pos: torch.Tenso
     if k < 1:
         raise ValueError(f"index_topk={k}: must be >= 1")
     B, T, HI, DI = q.shape
-    k0, k1 = (_rows(x) for x in key) if isinstance(key, tuple) else (_rows(key),) * 2
+    k0, k1 = (in_place(x) for x in key) if isinstance(key, tuple) else (in_place(key),) * 2
     k1 = k1.to(k0.dtype)
-    S = k0.shape[1] + k1.shape[1] if isinstance(key, tuple) else k0.shape[1]
+    S = rows_count(key)
     kk = min(k, S)
     rows = torch.empty(B, T, kk, dtype=torch.long, device=q.device)
     vals = torch.empty(B, T, kk, dtype=torch.float32, device=q.device)
@@ -132,9 +119,9 @@ def indexer_topk(q: torch.Tensor, key, weights: torch.Tensor, q_pos: torch.Tenso
     grid = (triton.cdiv(T, BT), B)
     _indexer_topk_kernel[grid](
         q, k0, k1, weights, q_pos, k_pos, cnt, rows, vals, T, S, k0.shape[1], HI, DI ** -0.5, kk,
-        q.stride(0), q.stride(1), q.stride(2), batch_stride(k0), k0.stride(1), batch_stride(k1), k1.stride(1),
+        q.stride(0), q.stride(1), q.stride(2), *row_strides(k0), *row_strides(k1),
         weights.stride(0), weights.stride(1),
         rows.stride(0), rows.stride(1),
-        DI=DI, DIP=_pow2(DI), KP=_pow2(k), BLOCK_T=BT, HAS_COUNTED=counted is not None,
+        DI=DI, DIP=pow2(DI), KP=pow2(k), BLOCK_T=BT, HAS_COUNTED=counted is not None,
         IEEE=q.dtype == torch.float32, num_warps=8 if k >= 1024 else 4)
     return rows, vals

@@ -34,12 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+from longstraw_mcore.ops.dsa_triton_common import in_place, pow2, row_strides
+
 BH = 16  # heads per program (tl.dot needs >= 16 rows; fewer heads are masked)
 BK = 16  # selected rows per step
-
-
-def _pow2(n: int, at_least: int = 16) -> int:
-    return max(at_least, triton.next_power_of_2(n))
 
 
 @triton.jit
@@ -181,18 +179,16 @@ def _bwd_kernel(qa_ptr, qp_ptr, c0_ptr, pe0_ptr, c1_ptr, pe1_ptr, idx_ptr, valid
 
 def _launch(q_abs, c):
     B, T, H, R = q_abs.shape
-    return (T, triton.cdiv(H, BH), B), dict(RP=_pow2(R), BLOCK_H=BH, BLOCK_K=BK, IEEE=c.dtype == torch.float32,
+    return (T, triton.cdiv(H, BH), B), dict(RP=pow2(R), BLOCK_H=BH, BLOCK_K=BK, IEEE=c.dtype == torch.float32,
                                            num_warps=8 if R >= 256 else 4)
 
 
-def _rows(x):
-    """A latent tensor or one part of its rows, read in place: only its last dim made contiguous."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _strides(x):
-    """(batch, row) strides; a batch of 1 serves every query's batch row (stride 0: the prompt state's)."""
-    return (0 if x.shape[0] == 1 else x.stride(0)), x.stride(1)
+def _shared_args(q_abs, q_pe, c0, pe0, c1, pe1, idx, o, lse) -> tuple:
+    """The strides both kernels take, in their order: queries, the latents' and RoPE keys' two parts,
+    the selection, o_lat, lse."""
+    parts = tuple(s for x in (c0, pe0, c1, pe1) for s in row_strides(x))
+    return (*q_abs.stride()[:3], *q_pe.stride()[:3], *parts, idx.stride(0), idx.stride(1), *o.stride()[:3],
+            lse.stride(0), lse.stride(1))
 
 
 class _SparsePartial(torch.autograd.Function):
@@ -203,7 +199,7 @@ class _SparsePartial(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_abs, q_pe, c0, pe0, c1, pe1, idx, valid, scale, single):
         q_abs, q_pe = q_abs.contiguous(), q_pe.contiguous()
-        c0, pe0, c1, pe1 = (_rows(x) for x in (c0, pe0, c1, pe1))
+        c0, pe0, c1, pe1 = (in_place(x) for x in (c0, pe0, c1, pe1))
         idx, valid = idx.contiguous(), valid.contiguous().to(torch.int8)
         B, T, H, R = q_abs.shape
         K, DR = idx.shape[-1], q_pe.shape[-1]
@@ -213,9 +209,7 @@ class _SparsePartial(torch.autograd.Function):
         if T and H:
             grid, meta = _launch(q_abs, c0)
             _fwd_kernel[grid](q_abs, q_pe, c0, pe0, c1, pe1, idx, valid, o, lse, H, K, R, DR, n0, scale,
-                              *q_abs.stride()[:3], *q_pe.stride()[:3], *_strides(c0), *_strides(pe0), *_strides(c1),
-                              *_strides(pe1), idx.stride(0), idx.stride(1), *o.stride()[:3], lse.stride(0),
-                              lse.stride(1), DRP=_pow2(DR), **meta)
+                              *_shared_args(q_abs, q_pe, c0, pe0, c1, pe1, idx, o, lse), DRP=pow2(DR), **meta)
         ctx.save_for_backward(q_abs, q_pe, c0, pe0, c1, pe1, idx, valid, o, lse)
         ctx.scale, ctx.single = scale, single
         return o, lse
@@ -238,10 +232,9 @@ class _SparsePartial(torch.autograd.Function):
             _bwd_kernel[grid](q_abs, q_pe, c0, pe0, c1, pe1, idx, valid, o, lse, do,
                               dlse.contiguous() if dlse is not None else lse, dqa, dqp, dc0, dpe0, dc1, dpe1,
                               H, K, R, DR, c0.shape[1], ctx.scale,
-                              *q_abs.stride()[:3], *q_pe.stride()[:3], *_strides(c0), *_strides(pe0), *_strides(c1),
-                              *_strides(pe1), idx.stride(0), idx.stride(1), *o.stride()[:3], lse.stride(0),
-                              lse.stride(1), *_strides(dc0), *_strides(dpe0), *_strides(dc1), *_strides(dpe1),
-                              DRP=_pow2(DR), HAS_DLSE=dlse is not None, GRAD0=grad0, GRAD1=grad1, **meta)
+                              *_shared_args(q_abs, q_pe, c0, pe0, c1, pe1, idx, o, lse),
+                              *(s for x in (dc0, dpe0, dc1, dpe1) for s in row_strides(x)),
+                              DRP=pow2(DR), HAS_DLSE=dlse is not None, GRAD0=grad0, GRAD1=grad1, **meta)
         grads = [dc0.to(c0.dtype) if grad0 and need[2] else None, dpe0.to(pe0.dtype) if grad0 and need[3] else None,
                  dc1.to(c1.dtype) if grad1 and need[4] else None, dpe1.to(pe1.dtype) if grad1 and need[5] else None]
         return (dqa, dqp, *grads, None, None, None, None)
