@@ -18,8 +18,10 @@ Subcommands (each in commands/):
 Every subcommand takes `--config CFG` and trailing `key=value` overrides (e.g. parallel.tp=2).
 Exit status: 0 done; 2 bad input (config, layout, rollouts, checkpoint), with one line naming it;
 3 `train` stopped after train.max_bad_steps non-finite steps in a row (a checkpoint of the last good
-step kept); 4 a collective did not complete within LONGSTRAW_DIST_TIMEOUT_S (gloo; NCCL's watchdog
-aborts the process, naming the operation); 75 `train` stopped on a signal (train.stop_signals) after saving the last completed step:
+step kept); 4 a collective did not complete within LONGSTRAW_DIST_TIMEOUT_S while every peer still
+runs (gloo; NCCL's watchdog aborts the process, naming the operation); 5 a peer is gone (its
+connection closed or its heartbeat stopped: a node lost, a rank killed or frozen), with one line per
+surviving rank naming the node and ranks (parallel/peers.py); 75 `train` stopped on a signal (train.stop_signals) after saving the last completed step:
 run it again (with --resume, or as the same Slurm job) to continue; anything else: a crash.
 """
 
@@ -31,6 +33,7 @@ import sys
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
 EXIT_TIMEOUT = 4
+EXIT_PEER_LOST = 5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,13 +212,30 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
     except RuntimeError as e:
-        if "Timed out" not in str(e):
+        code = collective_failure(e)
+        if code is None:
             raise
-        print(f"error: {collective_timeout(e)}", file=sys.stderr, flush=True)
-        return EXIT_TIMEOUT
+        return code
     finally:
         if ours:
             _shutdown()
+
+
+def collective_failure(e: RuntimeError) -> int | None:
+    """A collective that failed (a peer's connection closed, or the timeout): one line, and the exit status
+    (EXIT_PEER_LOST when a peer is gone, naming it; EXIT_TIMEOUT when every peer still beats); None for
+    any other error."""
+    from longstraw_mcore.parallel import peers
+
+    timed_out = "Timed out" in str(e)
+    if not (timed_out or peers.is_connection_lost(e)):
+        return None
+    lost = peers.diagnose()
+    if lost is not None or not timed_out:
+        print(f"error: {peers.lost_line(lost or 'a peer', _where(e), peers.cause(e))}", file=sys.stderr, flush=True)
+        return EXIT_PEER_LOST
+    print(f"error: {collective_timeout(e, peers.beating())}", file=sys.stderr, flush=True)
+    return EXIT_TIMEOUT
 
 
 def _shutdown() -> None:
@@ -223,6 +243,9 @@ def _shutdown() -> None:
     peer is waited for). Left to interpreter teardown, gloo's threads were once seen to end a finished
     rank with "terminate called without an active exception" (exit 134)."""
     if _dist_up():
+        from longstraw_mcore.parallel import peers
+
+        peers.stop()
         sys.modules["torch.distributed"].destroy_process_group()
 
 
@@ -232,22 +255,31 @@ def _dist_up() -> bool:
     return dist is not None and dist.is_available() and dist.is_initialized()
 
 
-def collective_timeout(e: BaseException) -> str:
+def collective_timeout(e: BaseException, beating: bool = False) -> str:
     """One line for a collective that did not complete in time (gloo raises it; NCCL's watchdog aborts the
     process with its own line naming the operation): this rank, the timeout, and where the collective was
     called (the innermost frames in Megatron and in this package)."""
+    import os
+
+    limit = os.environ.get("LONGSTRAW_DIST_TIMEOUT_S", "the default")
+    return (f"rank {os.environ.get('RANK', '0')}: a collective did not complete within {limit} s "
+            f"(LONGSTRAW_DIST_TIMEOUT_S) in {_where(e)}: "
+            + ("every peer's heartbeat still runs, so a peer is stuck elsewhere" if beating else
+               "a peer rank stopped or is stuck elsewhere")
+            + f"; its own output says why ({str(e).splitlines()[0][-120:]})")
+
+
+def _where(e: BaseException) -> str:
+    """Where the failed collective was called: the innermost frames in Megatron and in this package."""
     import os
     import traceback
 
     frames = traceback.extract_tb(e.__traceback__)
     megatron = [f for f in frames if f"{os.sep}megatron{os.sep}" in f.filename]
-    ours = [f for f in frames if f"{os.sep}longstraw_mcore{os.sep}" in f.filename]
-    where = "; ".join(dict.fromkeys(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})"
-                                    for f in (megatron[-1:] + ours[-1:]))) or "an unknown call"
-    limit = os.environ.get("LONGSTRAW_DIST_TIMEOUT_S", "the default")
-    return (f"rank {os.environ.get('RANK', '0')}: a collective did not complete within {limit} s "
-            f"(LONGSTRAW_DIST_TIMEOUT_S) in {where}: a peer rank stopped or is stuck elsewhere; its own output says "
-            f"why ({str(e).splitlines()[0][-120:]})")
+    ours = [f for f in frames if f"{os.sep}longstraw_mcore{os.sep}" in f.filename
+            and not f.filename.endswith("cpu_compat.py")]  # (its torch-function mode sees every call)
+    return "; ".join(dict.fromkeys(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})"
+                                   for f in (megatron[-1:] + ours[-1:]))) or "an unknown call"
 
 
 if __name__ == "__main__":

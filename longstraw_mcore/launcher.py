@@ -12,7 +12,8 @@ elastic agent, because of what a real Slurm showed (docs/cluster.md):
   its next safe point on SIGTERM / SIGUSR1 (train/stop.py). torchrun's agent dies of SIGUSR1 and
   kills the ranks 30 s after a SIGTERM whatever they are doing;
 - exit status: the ranks' own. 0 when every rank exits 0; otherwise the status of the first rank that
-  failed (2: bad input, 3: diverged, 75: stopped on a signal with a checkpoint; a rank killed by signal
+  failed (2: bad input, 3: diverged, 4: a collective timed out, 5: a peer lost, 75: stopped on a signal
+  with a checkpoint; a rank killed by signal
   S: 128 + S), not torchrun's 1 above a ~45-line traceback. When a rank fails while others still run
   (they may wait in a collective it will never join), they get `--grace` seconds, then SIGTERM, then
   SIGKILL 10 s later;
@@ -120,7 +121,7 @@ class Ranks:
                 log.close()
         if first is None:
             return 0
-        if len(self.procs) > 1 and first[1] not in (2, 3, 4, 75):  # the known ones said why on rank 0 already
+        if len(self.procs) > 1 and first[1] not in (2, 3, 4, 5, 75):  # the known ones said why on rank 0 already
             self._say(f"rank {first[0]} exited with status {first[1]} (its output above"
                       + (", and its log file" if self.logs[0] is not None else "") + ")")
         return first[1]

@@ -66,10 +66,13 @@ PY
   touch "$(stamp test)"
 fi
 # System packages the tests use, from Debian's packages where we may install (apt-get, as root or sudo):
-# Open MPI for the mpirun bootstrap test, Slurm (slurm-wlm + munge) for the one-node Slurm tests.
+# Open MPI for the mpirun tests; Slurm (slurm-wlm + munge), iproute2 and util-linux (ip, unshare, nsenter)
+# for the multi-node Slurm tests (a cluster of network namespaces: tools/netns_cluster.py).
 need=()
 command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
 { command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1; } || need+=(slurm-wlm munge)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+{ command -v unshare >/dev/null 2>&1 && command -v nsenter >/dev/null 2>&1; } || need+=(util-linux)
 if [ "$extra" = "--test" ] && [ ${#need[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || sudo -n true 2>/dev/null; }; then
     sudo_=""; [ "$(id -u)" = 0 ] || sudo_="sudo -n"

@@ -77,6 +77,9 @@ def init_distributed(device: str) -> None:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=dist_timeout())
+    from longstraw_mcore.parallel import peers
+
+    peers.start()  # heartbeats: a failed collective can then name the node that went away (cli.py)
 
 
 def setup_parallel(cfg: RunConfig) -> Parallel:

@@ -12,7 +12,7 @@
 - Non-finite steps (train.lr=1e30 blows the weights up after step 1): no update is made by them, they
   are counted (skipped_updates), and train.max_bad_steps=2 in a row stop the run with exit 3, one error
   line naming the step, and a checkpoint.
-What it does not cover: Slurm's own signalling and requeue (tests/dist/test_slurm.py), the lock's
+What it does not cover: Slurm's own signalling and requeue (tests/dist/test_multinode_slurm.py), the lock's
 stale cases (tests/unit/test_run_dir.py)."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -118,9 +119,11 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path):
 
 
 def test_a_stuck_rank_ends_the_run_with_the_collective_named(tmp_path):
-    """Rank 1 stopped (SIGSTOP: alive, silent) while rank 0 reaches a collective: with
-    LONGSTRAW_DIST_TIMEOUT_S=5 rank 0 ends with exit 4 and one line naming itself, the timeout and the
-    call it waited in; the launcher then ends the stuck rank (SIGTERM, SIGKILL) and passes 4 out."""
+    """Rank 1 frozen (SIGSTOP: alive, silent, its heartbeat thread too) while rank 0 reaches a collective:
+    with LONGSTRAW_DIST_TIMEOUT_S=5 rank 0 ends with exit 5 and one line naming the frozen rank and its
+    host (its heartbeat stopped: parallel/peers.py), the call it waited in and the timeout; the launcher
+    then ends the stuck rank (SIGTERM, SIGKILL) and passes 5 out. (A timeout while every peer still beats
+    exits 4: tests/unit/test_peers.py.)"""
     import psutil
 
     subprocess.run([sys.executable, "tools/make_rollouts.py", str(tmp_path / "r.jsonl"), "--vocab", "512",
@@ -139,6 +142,7 @@ def test_a_stuck_rank_ends_the_run_with_the_collective_named(tmp_path):
     out, err = p.communicate(timeout=120)
     errors = [ln for ln in err.splitlines() if "error:" in ln]
     print(f"exit {p.returncode}; {errors}")
-    assert p.returncode == 4 and len(errors) == 1, (p.returncode, err[-3000:])
-    assert "rank 0: a collective did not complete within 5 s (LONGSTRAW_DIST_TIMEOUT_S) in " in errors[0]
-    assert ".py:" in errors[0] and "a peer rank stopped or is stuck" in errors[0]
+    assert p.returncode == 5 and len(errors) == 1, (p.returncode, err[-3000:])
+    host = socket.gethostname()
+    assert f"error: rank 0 on {host}: lost ranks on {host} (rank 1): heartbeat stopped; " in errors[0]
+    assert ".py:" in errors[0] and "Timed out waiting 5000ms" in errors[0]

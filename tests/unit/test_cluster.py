@@ -2,7 +2,7 @@
 node (and where the number came from), the master port from the job id, the launcher command each node
 runs; and launch/slurm.sbatch end to end on this machine with a stand-in `srun` (one task per "node",
 both nodes local), running `longstraw smoke` on 2 gloo ranks, and passing a bad input's exit status 2
-out. (A real one-node Slurm: tests/dist/test_slurm.py.)"""
+out. (A real Slurm of several hosts: tests/dist/test_multinode_slurm.py.)"""
 
 from __future__ import annotations
 

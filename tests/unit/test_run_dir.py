@@ -1,5 +1,5 @@
 """train/run_dir.py: the --save lock and the run identity, case by case (the lock against a live run
-launched as a user would: tests/dist/test_stop_and_lock.py; a requeued Slurm job: tests/dist/test_slurm.py).
+launched as a user would: tests/dist/test_stop_and_lock.py; a requeued Slurm job: tests/dist/test_multinode_slurm.py).
 
 - a free directory is taken; a live holder (this process, or a process on another host) is respected
   with one line naming the directory, the host, the pid and the job; a holder whose process is gone from
