@@ -67,8 +67,9 @@ class Session:
 
         model = build_and_load(cfg, par, args.hf, args.load, "train", whole_adapter)
         ddp, opt = build_training(model, cfg, par)
+        critic, scorer = second_models(args, cfg, par, model)
         trainer = Trainer(cfg, par, ddp, opt, list(groups), ref_model=reference_model(args, cfg, par), log=log,
-                          online=online, stop=stop)
+                          online=online, stop=stop, critic=critic, reward_model=scorer)
         return cls(cfg, par, model, ddp, opt, trainer)
 
     # --- the loop ----------------------------------------------------------------------------------
@@ -146,3 +147,24 @@ def _as_row(g) -> dict:
         if getattr(g, k) is not None:
             row[k] = getattr(g, k)
     return row
+
+
+def second_models(args, cfg: RunConfig, par, policy):
+    """((critic DDP, its optimizer) or None, reward model or None) of `--critic` / `--reward-model`; the
+    critic trains with train's optimizer settings at ppo.critic_lr (train.lr when 0)."""
+    import dataclasses
+
+    from longstraw_mcore.commands.critic import build_second, critic_config, reward_config
+    from longstraw_mcore.train.trainer import build_training
+
+    critic = scorer = None
+    ccfg = critic_config(cfg, getattr(args, "critic", None))
+    if ccfg is not None:
+        lr = cfg.ppo.critic_lr or cfg.train.lr
+        ccfg = dataclasses.replace(ccfg, train=dataclasses.replace(ccfg.train, lr=lr))
+        critic = build_training(build_second(ccfg, par, args.critic, "critic", trainable=True, policy=policy), ccfg,
+                                par)
+    mcfg = reward_config(cfg, getattr(args, "reward_model", None), "train")
+    if mcfg is not None:
+        scorer = build_second(mcfg, par, args.reward_model, "reward", trainable=False)
+    return critic, scorer

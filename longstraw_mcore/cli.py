@@ -21,8 +21,9 @@ Exit status: 0 done; 2 bad input (config, layout, rollouts, checkpoint), with on
 step kept); 4 a collective did not complete within LONGSTRAW_DIST_TIMEOUT_S while every peer still
 runs (gloo; NCCL's watchdog aborts the process, naming the operation); 5 a peer is gone (its
 connection closed or its heartbeat stopped: a node lost, a rank killed or frozen), with one line per
-surviving rank naming the node and ranks (parallel/peers.py); 75 `train` stopped on a signal (train.stop_signals) after saving the last completed step:
-run it again (with --resume, or as the same Slurm job) to continue; anything else: a crash.
+surviving rank naming the node and ranks (parallel/peers.py); 75 `train` stopped on a signal
+(train.stop_signals) after saving the last completed step: run it again (with --resume, or as the same
+Slurm job) to continue; anything else: a crash.
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--ref-load", default=None, help="reference model (Megatron checkpoint)")
         sp.add_argument("--adapter", default=None, help="a PEFT LoRA adapter directory (adapter_config.json + "
                         "adapter_model.safetensors) on the frozen base; only it trains")
+        sp.add_argument("--critic", default=None, help="grpo.objective=ppo: the critic, a Hugging Face directory in "
+                        "the token-classification layout with one label (Qwen3_5ForTokenClassification), or "
+                        "`policy`: the policy's starting weights with a new value head")
+        sp.add_argument("--reward-model", default=None, help="score each response with this model (the sequence-"
+                        "classification layout with one label, Qwen3_5ForSequenceClassification) in place of "
+                        "the rollouts' rewards")
         sp.add_argument("--force", action="store_true",
                         help="run even when `longstraw plan` says it does not fit a rank's memory")
         sp.add_argument("overrides", nargs="*", help="key=value config overrides")

@@ -8,12 +8,15 @@
 # Writes runs/demo/metrics.jsonl, runs/demo/reward.png and checkpoints; prints the held-out reward
 # against chance (what a policy that ignores the prompt scores). About 7 minutes on 2 cores.
 # --config configs/demo-tool-lookup.yaml: the multi-turn demo (a loss-masked tool output between two turns).
-#   bash scripts/demo.sh [--config FILE] [--mode exact|detached] [--steps N] [--out DIR] [extra key=value overrides]
+# --ppo: PPO with a critic instead of GRPO (grpo.objective=ppo, whitened advantages, the critic starting
+# from the policy's weights with a new value head: docs/ppo.md).
+#   bash scripts/demo.sh [--config FILE] [--mode exact|detached] [--steps N] [--out DIR] [--ppo] [key=value ...]
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-mode=exact steps=60 run="$repo/runs/demo" config=configs/demo-key-recall.yaml
+mode=exact steps=60 run="$repo/runs/demo" config=configs/demo-key-recall.yaml objective=grpo
 while [ $# -gt 0 ]; do
   case "$1" in
+    --ppo) objective=ppo; shift;;
     --mode) mode=$2; shift 2;;
     --config) config=$2; shift 2;;
     --steps) steps=$2; shift 2;;
@@ -31,10 +34,13 @@ if [ "$run" != "$repo/runs/demo" ] && [ -e "$run" ] && [ -n "$(ls -A "$run" 2>/d
   echo "error: --out '$run' exists and is not a previous demo run (no metrics.jsonl); choose another folder" >&2; exit 2
 fi
 rm -rf "$run" && mkdir -p "$run"
+ppo=()
+[ "$objective" = ppo ] && ppo=(grpo.objective=ppo ppo.whiten_advantages=true --critic policy)
 t0=$(date +%s)
 "$venv/bin/python" -m longstraw_mcore.launcher --nproc 2 --log-dir "$run/logs" \
   -- train --config "$config" --online --steps "$steps" \
-  --save "$run/ckpt" --metrics-out "$run/metrics.jsonl" replay.mode="$mode" train.save_every="$steps" "$@"
+  --save "$run/ckpt" --metrics-out "$run/metrics.jsonl" replay.mode="$mode" train.save_every="$steps" "$@" \
+  "${ppo[@]}"
 read -r chance lengths task < <("$venv/bin/python" -c 'import sys; from longstraw_mcore.config import load_config; from longstraw_mcore.rollout.online import make_task
 c = load_config(sys.argv[1], sys.argv[2:]); print(make_task(c).chance, f"{c.task.min_len}-{c.task.max_len}", c.task.name.replace("_", "-"))' "$config" "$@")
 "$venv/bin/python" - "$run/metrics.jsonl" "$mode" "$(( $(date +%s) - t0 ))" "$chance" "$lengths" <<'PY'
@@ -49,4 +55,4 @@ print(f"[demo] {sys.argv[2]} mode, {rows[-1]['step']} steps in {sys.argv[3]} s: 
       f"{last / chance:.1f}x chance ({'>=' if last >= 5 * chance else 'below'} 5x)")
 PY
 "$venv/bin/python" tools/plot_rewards.py "$run/metrics.jsonl" --label "$mode" --out "$run/reward.png" --chance "$chance" \
-  --title "$task, held-out prompts of $lengths tokens: on-policy GRPO with branch replay"
+  --title "$task, held-out prompts of $lengths tokens: on-policy ${objective^^} with branch replay"

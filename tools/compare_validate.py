@@ -22,7 +22,6 @@ from pathlib import Path
 
 
 def compare(a: Path, b: Path) -> dict:
-    import torch
     from safetensors.torch import load_file
 
     ra, rb = (json.loads((d / "receipt.json").read_text()) for d in (a, b))
@@ -35,20 +34,31 @@ def compare(a: Path, b: Path) -> dict:
     lp = max((abs(x - y) for g1, g2 in zip(ra["logprobs"], rb["logprobs"]) if g1 is not None  # None: skipped
               for b1, b2 in zip(g1, g2) for x, y in zip(b1, b2)), default=0.0)
     out = {"loss": rel(ra["loss"], rb["loss"]), "logprob_abs": lp, "grad_norm": rel(ra["grad_norm"], rb["grad_norm"])}
-    if (a / "grads.safetensors").is_file() and (b / "grads.safetensors").is_file():
-        ga, gb = load_file(str(a / "grads.safetensors")), load_file(str(b / "grads.safetensors"))
-        if set(ga) != set(gb):
-            raise SystemExit(f"gradient names differ: {sorted(set(ga) ^ set(gb))[:5]}")
-        worst = max(ga, key=lambda k: float((ga[k].double() - gb[k].double()).abs().max()
-                                            / gb[k].double().abs().max().clamp_min(1e-300)))
-        out["grad_worst"] = float((ga[worst].double() - gb[worst].double()).abs().max()
-                                  / gb[worst].double().abs().max().clamp_min(1e-300))
-        out["grad_worst_name"] = worst
-        scale = max(float(g.double().abs().max()) for g in gb.values())
-        out["grad_worst_normwise"] = max(float((ga[k].double() - gb[k].double()).abs().max()) for k in ga) / max(
-            scale, 1e-300)
-    del torch
+    for key in ("values", "advantages", "returns"):  # PPO's (validate --critic)
+        if key in ra and key in rb:
+            out[f"{key}_abs"] = max(abs(x - y) for g1, g2 in zip(ra[key], rb[key]) for b1, b2 in zip(g1, g2)
+                                    for x, y in zip(b1, b2))
+    if "value_loss" in ra and "value_loss" in rb:
+        out["value_loss"] = rel(ra["value_loss"], rb["value_loss"])
+    for prefix, file in (("", "grads.safetensors"), ("critic_", "critic_grads.safetensors")):
+        if (a / file).is_file() and (b / file).is_file():
+            out.update({prefix + k: v for k, v in _grads(load_file(str(a / file)), load_file(str(b / file))).items()})
     return out
+
+
+def _grads(ga: dict, gb: dict) -> dict:
+    """The worst tensor's difference over its own largest entry, and over the largest of any tensor."""
+    if set(ga) != set(gb):
+        raise SystemExit(f"gradient names differ: {sorted(set(ga) ^ set(gb))[:5]}")
+
+    def own(k):
+        return float((ga[k].double() - gb[k].double()).abs().max() / gb[k].double().abs().max().clamp_min(1e-300))
+
+    worst = max(ga, key=own)
+    scale = max(float(g.double().abs().max()) for g in gb.values())
+    return {"grad_worst": own(worst), "grad_worst_name": worst,
+            "grad_worst_normwise": max(float((ga[k].double() - gb[k].double()).abs().max()) for k in ga)
+            / max(scale, 1e-300)}
 
 
 def main(argv=None) -> int:
@@ -62,7 +72,7 @@ def main(argv=None) -> int:
     out = compare(Path(args.a), Path(args.b))
     tol_own = args.tol if args.tol_own is None else args.tol_own
     out["tol"], out["tol_own"] = args.tol, tol_own
-    out["ok"] = all(v <= (tol_own if k == "grad_worst" else args.tol) for k, v in out.items()
+    out["ok"] = all(v <= (tol_own if k.endswith("grad_worst") else args.tol) for k, v in out.items()
                     if isinstance(v, float) and not k.startswith("tol"))
     print(json.dumps(out, indent=1))
     if args.json:

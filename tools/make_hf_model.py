@@ -3,7 +3,10 @@
 random weights, built on the CPU whatever the machine: the same weights for a CPU run and a GPU run
 to compare (scripts/gpu_check.sh), without needing `transformers`.
 
-  python tools/make_hf_model.py OUT_DIR [--config configs/qwen3.6-tiny.yaml] [--seed 0] [key=value ...]
+  python tools/make_hf_model.py OUT_DIR [--config configs/qwen3.6-tiny.yaml] [--seed 0] [--head HEAD] [key=value ...]
+
+--head token_value: a critic (`score` [1, H] + bias in place of lm_head; the token-classification
+layout with one label); sequence_score: a reward model (`score` without a bias): checkpoint/heads.py.
 
 Weights: Megatron's initialisation on the CPU, then every vector (norm weights, A_log, dt_bias) moved
 by ~0.1 so no tensor is a constant.
@@ -21,6 +24,7 @@ def main(argv=None) -> int:
     p.add_argument("out")
     p.add_argument("--config", default="configs/qwen3.6-tiny.yaml")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--head", default="lm", choices=["lm", "token_value", "sequence_score"])
     p.add_argument("overrides", nargs="*")
     a = p.parse_intermixed_args(argv)
 
@@ -39,14 +43,17 @@ def main(argv=None) -> int:
                                                      "parallel.ep=1", "parallel.pp_layers=null", f"seed={a.seed}"])
     par = setup_parallel(cfg)
     fam = get_family(cfg.model.family)
-    model = fam.build_model(cfg.model, par, "cpu")
+    model = fam.build_model(cfg.model, par, "cpu", head=a.head)
     gen = torch.Generator().manual_seed(a.seed + 1)
     with torch.no_grad():
         for prm in model.parameters():
             if prm.dim() == 1:
                 prm.add_((0.1 * torch.randn(prm.shape, generator=gen, dtype=torch.float64)).to(prm.dtype))
-    hf = fam.checkpoint.mcore_to_hf(gather_full(model), cfg.model)
-    write_hf(a.out, hf, fam.checkpoint.hf_config_dict(cfg.model))
+    from longstraw_mcore.checkpoint import heads
+
+    mapping = heads.mapping(fam.checkpoint, a.head)
+    hf = mapping.mcore_to_hf(gather_full(model), cfg.model)
+    write_hf(a.out, hf, mapping.hf_config_dict(cfg.model))
     print(f"wrote {len(hf)} tensors ({sum(t.numel() for t in hf.values()) / 1e6:.3f} M parameters, "
           f"{cfg.model.dtype}) to {a.out}")
     return 0

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from longstraw_mcore.checkpoint import heads
 from longstraw_mcore.checkpoint.dist_ckpt import load_full_tensors, read_checkpoint_meta, save_full_tensors
 from longstraw_mcore.checkpoint.full_state import load_full, stream_full
 from longstraw_mcore.checkpoint.hf import read_tensors, write_hf
@@ -103,13 +104,22 @@ def _init_cpu_process() -> None:
 def load_hf_into_model(family, model, src: str | Path, expect: ModelConfig | None = None, log=print) -> list[str]:
     """Load an HF directory of `family` into this rank's shard of `model` (converted in memory; each HF
     tensor is read only for the rows/columns this rank holds)."""
-    mapping = family.checkpoint
-    m, _ = mapping.read_config(src)
+    head = head_of_model(model)
+    mapping = heads.mapping(family.checkpoint, head)
+    m, raw = mapping.read_config(src)
+    heads.check_head(raw, family.checkpoint, head, src)
     if expect is not None:
         _check_same_dims(m, expect, src)
     tensors, skipped = read_tensors(src, mapping.tensor_name)
     load_full(model, mapping.LazyCanonical(tensors, m, where=str(src)))
     return skipped + mapping.skipped_names(tensors, m)
+
+
+def head_of_model(model) -> str:
+    """The model's output head (models/heads.py), through any wrapper (DDP, Float16Module)."""
+    while not hasattr(model, "head") and hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "head", "lm")
 
 
 def _check_same_dims(m: ModelConfig, expect: ModelConfig, src) -> None:
@@ -130,7 +140,7 @@ def hf_tensors(family, model, m: ModelConfig, grads: bool = False, dst: int = 0)
     follows, for a writer that lays out a file before the data."""
     import torch.distributed as dist
 
-    mapping = family.checkpoint
+    mapping = heads.mapping(family.checkpoint, head_of_model(model))
     rules = mapping.rules(m)
     shapes = mapping.hf_shapes(m)
     local = dict(_local_dtypes(model, grads))  # (what a gradient is kept in differs from the parameter's)

@@ -66,8 +66,16 @@ def _leaves(entry):
 
 
 def _true_rows(model, leaf) -> int | None:
-    """Rows of the unpadded tensor for a padded (vocabulary) leaf; None for every other leaf."""
-    return int(model.vocab_size) if getattr(leaf, "allow_shape_mismatch", False) else None
+    """Rows of the unpadded tensor for a padded (vocabulary) leaf; None for every other leaf (a critic's or
+    reward model's scalar head, models/heads.py, is not padded, though Megatron marks `output_layer` so)."""
+    if not getattr(leaf, "allow_shape_mismatch", False):
+        return None
+    core = model
+    while not hasattr(core, "head") and hasattr(core, "module"):
+        core = core.module
+    if getattr(core, "head", "lm") != "lm" and leaf.key.startswith("output_layer."):
+        return None
+    return int(model.vocab_size)
 
 
 def _global_shape(model, leaf) -> tuple[int, ...]:

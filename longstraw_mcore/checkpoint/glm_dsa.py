@@ -36,6 +36,8 @@ from longstraw_mcore.checkpoint.rule_table import Rule
 from longstraw_mcore.config import ConfigError, GlmDsaConfig
 
 ARCHITECTURES = ("GlmMoeDsaForCausalLM",)
+HEADS = {"token_value": ("GlmMoeDsaForTokenClassification",), "sequence_score": ("GlmMoeDsaForSequenceClassification",)}
+"""A critic's and a reward model's architectures under GLM's names (transformers has none: checkpoint/heads.py)."""
 _REQUIRED = ("num_hidden_layers", "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
              "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
              "index_head_dim", "index_topk", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
@@ -200,7 +202,7 @@ def from_transformers_state(state: Mapping) -> dict[str, torch.Tensor]:
 
 def read_config(path: str | Path) -> tuple[GlmDsaConfig, dict]:
     """`config.json` of a `GlmMoeDsaForCausalLM` directory -> (GlmDsaConfig, raw dict)."""
-    raw, cfg_file = read_config_json(path, ARCHITECTURES)
+    raw, cfg_file = read_config_json(path, ARCHITECTURES + sum(HEADS.values(), ()))
     missing = [k for k in _REQUIRED if k not in raw]
     if missing:
         raise CheckpointError(f"{cfg_file}: lacks required field(s) {missing}")

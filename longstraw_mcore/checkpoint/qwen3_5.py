@@ -29,6 +29,9 @@ from longstraw_mcore.checkpoint.rule_table import Rule
 from longstraw_mcore.config import Qwen35Config
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+HEADS = {"token_value": ("Qwen3_5ForTokenClassification",),
+         "sequence_score": ("Qwen3_5ForSequenceClassification", "Qwen3_5TextForSequenceClassification")}
+"""A critic's and a reward model's architectures (checkpoint/heads.py)."""
 _REQUIRED = ("num_hidden_layers", "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
              "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
              "linear_value_head_dim")
@@ -166,7 +169,7 @@ def mcore_to_hf(mc: dict[str, torch.Tensor], m: Qwen35Config, only: Rule | None 
 def read_config(path: str | Path) -> tuple[Qwen35Config, dict]:
     """`config.json` -> (Qwen35Config, raw dict). Raises CheckpointError for other architectures."""
     d = Path(path)
-    raw, cfg_file = read_config_json(d, ARCHITECTURES)
+    raw, cfg_file = read_config_json(d, ARCHITECTURES + sum(HEADS.values(), ()))
     text = raw.get("text_config", raw)
     missing = [k for k in _REQUIRED if k not in text]
     if missing:

@@ -119,6 +119,10 @@ def table(res: dict) -> str:
     verdict = "yes" if res["fits"] else "NO (" + ", ".join(
         w for w, ok in (("device", res["fits_device"]), ("host", res["fits_host"])) if not ok) + ")"
     lines.append(f"fits: {verdict}; largest prompt that fits: {res['max_prompt_len']:,} tokens")
+    if "critic_weights" in res["per_rank_bytes"]:
+        lines.append("critic (grpo.objective=ppo): on the same ranks, time-shared: its weights, gradients and "
+                     "optimizer beside the policy's; its prompt state and activations only during its own pass, "
+                     "before the policy's (planned at the policy's dimensions)")
     lines.append("| term | TFLOP per rank | efficiency (of the bf16 peak) | seconds |")
     lines.append("|---|---|---|---|")
     for term, s in res["seconds"].items():

@@ -73,8 +73,9 @@ def check_groups(cfg: RunConfig, groups, has_ref_model: bool) -> None:
                           "drop it" + (" or set grpo.beta > 0" if g.beta == 0 else ""))
 
 
-def check_save_dir(save: str | None, resume: bool, steps: int) -> int | None:
-    """--save/--resume/--steps; returns the step a resume would start from (None: a fresh run)."""
+def check_save_dir(save: str | None, resume: bool, steps: int, critic: bool = False) -> int | None:
+    """--save/--resume/--steps; returns the step a resume would start from (None: a fresh run). With a
+    `critic` (PPO), a step counts only when the critic's checkpoint of it is complete too (DIR/critic)."""
     from longstraw_mcore.train.checkpoint_dirs import newest_complete, published_steps
 
     if steps < 1:
@@ -95,7 +96,14 @@ def check_save_dir(save: str | None, resume: bool, steps: int) -> int | None:
     newest, _ = newest_complete(root)
     if newest is None:
         return 0
-    return int(newest.name.split("_")[1])
+    step = int(newest.name.split("_")[1])
+    if critic:
+        from longstraw_mcore.train.checkpoint_dirs import step_dir, verify
+
+        done = [s for s, _ in published_steps(root) if s <= step and (step_dir(root / "critic", s)).is_dir()
+                and verify(step_dir(root / "critic", s)) is None]
+        return done[-1] if done else 0
+    return step
 
 
 def device_bytes(cfg, world_size: int) -> tuple[int, str]:

@@ -23,8 +23,9 @@ def _online_shape(cfg):
 
     t, r = cfg.task, cfg.rollout
     t.check_vocab(cfg.model.vocab_size)
-    if cfg.grpo.objective != "grpo":
-        raise ConfigError(f"train --online samples GRPO groups; grpo.objective={cfg.grpo.objective!r}")
+    if cfg.grpo.objective == "dpo":
+        raise ConfigError("train --online samples groups of G responses for grpo or ppo; grpo.objective='dpo' "
+                          "needs rollouts with a chosen and a rejected response")
     if t.max_len > r.max_prompt_len:
         raise ConfigError(f"task.max_len={t.max_len} exceeds rollout.max_prompt_len={r.max_prompt_len}")
     return RolloutGroup(prompt=[0] * t.max_len, responses=[[0] * r.max_tokens] * r.group_size,
@@ -59,6 +60,9 @@ def run(args) -> int:
     else:
         groups = load_rollouts(args.rollouts, cfg.model.vocab_size)
         check_groups(cfg, groups, has_ref_model=bool(args.ref_hf or args.ref_load))
+    from longstraw_mcore.commands.critic import critic_config, reward_config
+
+    critic_config(cfg, args.critic), reward_config(cfg, args.reward_model, "train")  # (refused here, before any model work)
     try:
         return _checked(args, cfg, adapter, groups, online, user)
     finally:
@@ -72,7 +76,7 @@ def _checked(args, cfg, adapter, groups, online, user) -> int:
         rank0_print(f"[train] {args.save} holds this Slurm job's checkpoints (job {job_id()}, same config): a "
                     "requeue, resuming")
         args.resume = True
-    start = check_save_dir(args.save, args.resume, args.steps)
+    start = check_save_dir(args.save, args.resume, args.steps, critic=args.critic is not None)
     if start is not None and start >= args.steps:
         rank0_print(f"[train] {args.save} holds a complete checkpoint at step {start} >= --steps {args.steps}: "
                     "nothing to do")
@@ -217,6 +221,10 @@ def _save(args, trainer):
     if keep and trainer.par.rank == 0:
         for old in prune_steps(args.save, keep):
             rank0_print(f"[train] removed {old} (train.keep_last={keep})")
+        if trainer.critic is not None:
+            from longstraw_mcore.train.trainer import CRITIC_DIR
+
+            prune_steps(Path(args.save) / CRITIC_DIR, keep)
     return dst
 
 
@@ -266,7 +274,8 @@ class _Log:
 def _line(m: dict, steps: int, eta: float | None) -> str:
     parts = [f"step {m['step']}/{steps}"]
     for key, name, fmt in (("reward_mean", "reward", ".3f"), ("heldout_reward", "held-out", ".3f"),
-                           ("loss", "loss", ".4g"), ("kl", "kl", ".3g"), ("tokens_per_s", "tok/s", ",.0f")):
+                           ("loss", "loss", ".4g"), ("value_loss", "value loss", ".4g"), ("kl", "kl", ".3g"),
+                           ("tokens_per_s", "tok/s", ",.0f")):
         if isinstance(m.get(key), (int, float)):
             parts.append(f"{name} {m[key]:{fmt}}")
     fails = sum(v for k, v in m.items() if k.startswith(("reward_failures/", "env_failures/")))

@@ -27,6 +27,9 @@ def run(args) -> int:
     check_run(cfg, "validate", launch_world_size())
     groups = load_rollouts(args.rollouts, cfg.model.vocab_size)
     check_groups(cfg, groups, has_ref_model=bool(args.ref_hf or args.ref_load))
+    from longstraw_mcore.commands.critic import critic_config, reward_config
+
+    ccfg, mcfg = critic_config(cfg, args.critic), reward_config(cfg, args.reward_model)
     check_fits(cfg, groups, launch_world_size(), args.force, "validate")
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -54,6 +57,20 @@ def run(args) -> int:
     probe = LayerProbe(model, cfg.model, par.ep)
     ddp = wrap_ddp_no_optimizer(model, cfg, par)
     ref = reference_model(args, cfg, par)
+    critic = scores = None
+    if mcfg is not None:  # a learned reward in place of the rollouts' rewards (every rank scores every group)
+        from longstraw_mcore.commands.critic import build_second
+        from longstraw_mcore.replay.reward_model import reward_scores
+
+        scores = reward_scores(build_second(mcfg, par, args.reward_model, "reward", trainable=False), groups,
+                               cfg.replay)
+        groups = [dataclasses.replace(g, rewards=sc) for g, sc in zip(groups, scores)]
+    if ccfg is not None:
+        from longstraw_mcore.commands.critic import build_second
+
+        critic = wrap_ddp_no_optimizer(build_second(ccfg, par, args.critic, "critic", trainable=True, policy=model),
+                                       ccfg, par)
+        critic.zero_grad_buffer()
     dp_rank, n = par.pgs.dp.rank(), len(groups)
     ddp.zero_grad_buffer()
     results, seconds = {}, {}
@@ -63,15 +80,25 @@ def run(args) -> int:
     from longstraw_mcore.ops import dispatch
 
     dispatch.reset_kernels()
+    if critic is not None:
+        from functools import partial
+
+        from longstraw_mcore.replay.ppo_step import process_ppo_group
+
+        step = partial(process_ppo_group, ddp, critic, pcfg=cfg.ppo)
+    else:
+        step = partial_group(process_group, ddp)
     for i, stand_in in _slots(n, par.dp, dp_rank, par.ep):
         if stand_in:  # (expert parallelism: its all-to-alls need this rank; the group's gradient counts 0 times)
-            process_group(ddp, groups[i], cfg.replay, cfg.grpo, scale=0.0, ref_model=ref, index=i)
+            step(groups[i], rcfg=cfg.replay, gcfg=cfg.grpo, scale=0.0, ref_model=ref, index=i)
             continue
-        st = process_group(ddp, groups[i], cfg.replay, cfg.grpo, scale=par.dp / n, ref_model=ref, index=i,
-                           watch=watch)
+        st = step(groups[i], rcfg=cfg.replay, gcfg=cfg.grpo, scale=par.dp / n, ref_model=ref, index=i, watch=watch)
         results[i] = {"loss": st.loss, "logprobs": st.logprobs, "skipped": st.skipped, "state_bytes": st.state_bytes,
                       "ref_state_bytes": st.ref_state_bytes, "tokens": st.tokens, "replayed": st.replayed_tokens,
                       "seconds": dict(st.seconds or {})}
+        if critic is not None:
+            results[i].update(value_loss=st.value_loss, values=st.values, advantages=st.advantages, returns=st.returns,
+                              critic_state_bytes=st.critic_state_bytes)
         for k, v in (st.seconds or {}).items():
             seconds[k] = seconds.get(k, 0.0) + v
         rank0_print(f"[validate] group {i}: loss {st.loss:.6g}, {st.tokens} response tokens ({st.replayed_tokens} "
@@ -80,6 +107,9 @@ def run(args) -> int:
     probe.close()
     finalize_model_grads([ddp], pg_collection=par.pgs)
     gn = grad_norm(ddp.module, par)
+    if critic is not None:
+        finalize_model_grads([critic], pg_collection=par.pgs)
+        critic_gn = grad_norm(critic.module, par)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (results, seconds, peak_bytes(par.device), probe.report(),
                                       peak_since_reset(par.device) - baseline, dispatch.kernels_run()))
@@ -95,11 +125,17 @@ def run(args) -> int:
 
         dump_hf_tensors(get_family(cfg.model.family), ddp.module, cfg.model, out / "grads.safetensors", grads=True,
                         log=rank0_print)
+    if args.dump_grads and critic is not None:  # the critic's, under its Hugging Face names (score.* included)
+        from longstraw_mcore.checkpoint.convert import dump_hf_tensors
+
+        dump_hf_tensors(get_family(ccfg.model.family), critic.module, ccfg.model, out / "critic_grads.safetensors",
+                        grads=True, log=rank0_print)
     if par.rank == 0:
         merged = {}
         for res, *_ in gathered:  # state bytes differ by rank (TP heads, CP shares, pipeline stages): the largest
             for i, r in res.items():
-                big = {k: max(r[k], merged[i][k]) for k in ("state_bytes", "ref_state_bytes")} if i in merged else {}
+                big = {k: max(r[k], merged[i][k]) for k in ("state_bytes", "ref_state_bytes", "critic_state_bytes")
+                       if k in r} if i in merged else {}
                 merged[i] = dict(r, **big)
         receipt = {
             "loss": sum(merged[i]["loss"] for i in range(n)) / n,
@@ -122,6 +158,12 @@ def run(args) -> int:
             **_layer_receipt(cfg.model, merge_reports([g[3] for g in gathered], cfg.model, par.ep)),
             "config": dataclasses.asdict(cfg),
         }
+        if critic is not None:  # PPO: per group, per branch, per token
+            receipt.update(value_loss=sum(merged[i]["value_loss"] for i in range(n)) / n, critic_grad_norm=critic_gn,
+                           **{k: [merged[i][k] for i in range(n)] for k in ("values", "advantages", "returns")},
+                           critic_state_bytes_per_group=[merged[i]["critic_state_bytes"] for i in range(n)])
+        if scores is not None:
+            receipt["reward_model_scores"] = scores
         tmp = out / ".receipt.json.tmp"
         tmp.write_text(json.dumps(receipt, indent=1))
         os.replace(tmp, out / "receipt.json")
@@ -129,6 +171,14 @@ def run(args) -> int:
                     + (" and grads.safetensors" if args.dump_grads else ""))
     dist.barrier()
     return 0
+
+
+def partial_group(fn, model):
+    """process_group with the objective's keyword names (those of process_ppo_group)."""
+    def step(group, rcfg, gcfg, scale, ref_model, index, watch=None):
+        return fn(model, group, rcfg, gcfg, scale=scale, ref_model=ref_model, index=index, watch=watch)
+
+    return step
 
 
 def _kernels(per_rank: list[dict]) -> dict:

@@ -14,6 +14,7 @@ allocation or write.
     adapter.py     AdapterConfig: LoRA / QLoRA (adapters/)
     memory.py      MemoryConfig: recompute, state offload / fp8, optimizer offload, MLA query blocks
     sections.py    replay, grpo, rollout, ops, task, train
+    ppo.py         PPOConfig: GAE, the value loss, the critic's learning rate (grpo.objective=ppo)
     user_task.py   dataset, reward, env: the user's own task (--dataset, --reward, --env)
     run.py         RunConfig; ModelConfig (any family's); the family -> config class table
     loader.py      YAML + key=value overrides
@@ -24,6 +25,7 @@ from longstraw_mcore.config.errors import ConfigError
 from longstraw_mcore.config.glm_dsa import GlmDsaConfig, glm_5_2
 from longstraw_mcore.config.layout import ParallelConfig
 from longstraw_mcore.config.memory import MemoryConfig
+from longstraw_mcore.config.ppo import PPOConfig
 from longstraw_mcore.config.loader import apply_overrides, config_to_dict, load_config, model_config_from_dict
 from longstraw_mcore.config.qwen3_5 import Qwen35Config
 from longstraw_mcore.config.user_task import DatasetConfig, EnvConfig, RewardConfig
@@ -32,5 +34,5 @@ from longstraw_mcore.config.sections import (GRPOConfig, OpsConfig, ReplayConfig
                                              TrainConfig)
 
 __all__ = ["AdapterConfig", "MemoryConfig", "ConfigError", "ModelConfig", "Qwen35Config", "GlmDsaConfig", "glm_5_2", "ParallelConfig", "ReplayConfig",
-           "GRPOConfig", "RolloutConfig", "OpsConfig", "TaskConfig", "TrainConfig", "RunConfig", "MODEL_CONFIGS",
+           "GRPOConfig", "PPOConfig", "RolloutConfig", "OpsConfig", "TaskConfig", "TrainConfig", "RunConfig", "MODEL_CONFIGS",
            "DatasetConfig", "RewardConfig", "EnvConfig", "load_config", "apply_overrides", "config_to_dict", "model_config_from_dict"]

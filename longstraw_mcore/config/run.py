@@ -11,6 +11,7 @@ from longstraw_mcore.config.errors import ConfigError, check_choices
 from longstraw_mcore.config.glm_dsa import GlmDsaConfig
 from longstraw_mcore.config.layout import ParallelConfig
 from longstraw_mcore.config.memory import MemoryConfig
+from longstraw_mcore.config.ppo import PPOConfig
 from longstraw_mcore.config.qwen3_5 import Qwen35Config
 from longstraw_mcore.config.sections import (GRPOConfig, OpsConfig, ReplayConfig, RolloutConfig, TaskConfig,
                                              TrainConfig)
@@ -32,6 +33,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     task: TaskConfig = field(default_factory=TaskConfig)

@@ -86,7 +86,8 @@ class ReplayConfig:
 class GRPOConfig:
     """The GRPO objective (ARCHITECTURE.md section 2); defaults are what a run gets unconfigured."""
 
-    objective: Literal["grpo", "dpo"] = "grpo"
+    objective: Literal["grpo", "dpo", "ppo"] = "grpo"
+    """grpo; dpo (pairs: the best and worst reward of a group); ppo (a critic: `--critic`, the ppo section)."""
     eps_low: float = 0.2
     eps_high: float = 0.2
     beta: float = 0.0

@@ -1,7 +1,12 @@
 """Rollouts file: JSON Lines, one prompt group per line (ARCHITECTURE.md section 5).
 
     {"prompt": [ids], "responses": [[ids], ...], "rewards": [floats],
-     "old_logprobs": [[floats], ...]?, "ref_logprobs": [[floats], ...]?, "loss_masks": [[0|1], ...]?}
+     "old_logprobs": [[floats], ...]?, "ref_logprobs": [[floats], ...]?, "loss_masks": [[0|1], ...]?,
+     "old_values": [[floats], ...]?}
+
+`old_values` (optional, PPO: `grpo.objective=ppo`): the critic's values at sampling time, one per response
+token (loss/ppo.py); without them the critic's current values stand in, as the current log-probs do for
+missing `old_logprobs`.
 
 `loss_masks` (optional): one 0/1 list per response, the response's length; a 0 token (a tool's output,
 an observation: context, not an action) gives no loss term and is not counted in the token mean, but
@@ -39,6 +44,7 @@ class RolloutGroup:
     old_logprobs: list[list[float]] | None = None
     ref_logprobs: list[list[float]] | None = None
     loss_masks: list[list[int]] | None = None
+    old_values: list[list[float]] | None = None
 
     @property
     def group_size(self) -> int:
@@ -105,8 +111,8 @@ def parse_group(obj: dict, index: int, vocab_size: int) -> RolloutGroup:
     for key in ("prompt", "responses", "rewards"):
         if key not in obj:
             raise RolloutError(f"{g}: missing field '{key}'")
-    unknown = sorted(set(obj) - {"prompt", "responses", "rewards", "old_logprobs", "ref_logprobs", "loss_masks"}
-                     - set(READ_ONLY))
+    unknown = sorted(set(obj) - {"prompt", "responses", "rewards", "old_logprobs", "ref_logprobs", "loss_masks",
+                                 "old_values"} - set(READ_ONLY))
     if unknown:
         raise RolloutError(f"{g}: unknown field(s) {unknown}")
     prompt = _ids(obj["prompt"], f"{g}: prompt", vocab_size)
@@ -129,12 +135,15 @@ def parse_group(obj: dict, index: int, vocab_size: int) -> RolloutGroup:
     old = obj.get("old_logprobs")
     ref = obj.get("ref_logprobs")
     masks = obj.get("loss_masks")
+    values = obj.get("old_values")
     if masks is not None:
         check_trainable(_masks(masks, f"{g}: loss_masks", responses), g)
     return RolloutGroup(prompt=prompt, responses=responses, rewards=[float(r) for r in rewards],
                         old_logprobs=None if old is None else _floats_per_response(old, f"{g}: old_logprobs", responses),
                         ref_logprobs=None if ref is None else _floats_per_response(ref, f"{g}: ref_logprobs", responses),
-                        loss_masks=masks)
+                        loss_masks=masks,
+                        old_values=None if values is None else _per_response(
+                            values, f"{g}: old_values", responses, "", _finite_number, "values must be finite numbers"))
 
 
 def load_rollouts(path: str | Path, vocab_size: int) -> list[RolloutGroup]:
@@ -165,4 +174,6 @@ def write_rollouts(path: str | Path, groups: list[RolloutGroup]) -> None:
                 obj["ref_logprobs"] = g.ref_logprobs
             if g.loss_masks is not None:
                 obj["loss_masks"] = g.loss_masks
+            if g.old_values is not None:
+                obj["old_values"] = g.old_values
             f.write(json.dumps(obj) + "\n")

@@ -6,7 +6,7 @@ indexer layers keep the MLA latent and the indexer key per position, shared ones
 
 from __future__ import annotations
 
-from longstraw_mcore.checkpoint import glm_dsa as checkpoint
+from longstraw_mcore.checkpoint import glm_dsa as checkpoint, heads
 from longstraw_mcore.config import GlmDsaConfig
 from longstraw_mcore.families.record import Family
 from longstraw_mcore.ops.kernel_choice import dsa_kernel_name
@@ -32,12 +32,13 @@ LAYERS = {
 }
 
 
-def build_model(model_cfg: GlmDsaConfig, parallel, device: str):
-    """This rank's part of the model (models/glm5.py), with the family's layer records."""
+def build_model(model_cfg: GlmDsaConfig, parallel, device: str, head: str = "lm"):
+    """This rank\'s part of the model (models/glm5.py), with the family\'s layer records; `head`:
+    models/heads.py."""
     from longstraw_mcore.models.glm5 import build_model as build
 
-    return build(model_cfg, parallel, device, LAYERS)
+    return build(model_cfg, parallel, device, LAYERS, head)
 
 
 FAMILY = Family(name="glm_dsa", config=GlmDsaConfig, build_model=build_model, checkpoint=checkpoint,
-                architectures=checkpoint.ARCHITECTURES, layers=LAYERS)
+                architectures=heads.architectures(checkpoint), layers=LAYERS)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from longstraw_mcore.checkpoint import qwen3_5 as checkpoint
+from longstraw_mcore.checkpoint import heads, qwen3_5 as checkpoint
 from longstraw_mcore.config import Qwen35Config
 from longstraw_mcore.families.record import Family
 from longstraw_mcore.planner.activations import (attention_backward_scratch, attention_bytes, attention_capture_bytes,
@@ -28,12 +28,13 @@ LAYERS = {
 }
 
 
-def build_model(model_cfg: Qwen35Config, parallel, device: str):
-    """This rank's part of the model (models/qwen3_5.py), with the family's layer records."""
+def build_model(model_cfg: Qwen35Config, parallel, device: str, head: str = "lm"):
+    """This rank\'s part of the model (models/qwen3_5.py), with the family\'s layer records; `head`:
+    models/heads.py."""
     from longstraw_mcore.models.qwen3_5 import build_model as build
 
-    return build(model_cfg, parallel, device, LAYERS)
+    return build(model_cfg, parallel, device, LAYERS, head)
 
 
 FAMILY = Family(name="qwen3_5", config=Qwen35Config, build_model=build_model, checkpoint=checkpoint,
-                architectures=checkpoint.ARCHITECTURES, layers=LAYERS)
+                architectures=heads.architectures(checkpoint), layers=LAYERS)

@@ -76,7 +76,8 @@ def block_spec(m: GlmDsaConfig, layers: range, kv=None) -> TransformerBlockSubmo
     return TransformerBlockSubmodules(layer_specs=[layer_spec(i, m, share, kv) for i in layers], layer_norm=RMSNorm)
 
 
-def build_model(model_cfg: GlmDsaConfig, parallel, device: str, layer_kinds: dict) -> ReplayLanguageModel:
+def build_model(model_cfg: GlmDsaConfig, parallel, device: str, layer_kinds: dict,
+                head: str = "lm") -> ReplayLanguageModel:
     """This rank's part of the model on `device`; `layer_kinds`: the family's per-layer-type records
     (families/glm_dsa.py hands them in)."""
     if model_cfg.torch_dtype == torch.float64:
@@ -85,4 +86,4 @@ def build_model(model_cfg: GlmDsaConfig, parallel, device: str, layer_kinds: dic
     model_cfg.check_layout(pc)  # before anything is allocated
     spec = block_spec(model_cfg, stage_range(parallel), parallel.tp_kv)
     return language_model.build(transformer_config(model_cfg, pc, device), model_cfg, parallel, spec, layer_kinds,
-                                device)
+                                device, head)

@@ -3,7 +3,8 @@ final norm and an untied output layer, on Megatron-Core (no Megatron class is fo
 
     embedding        Megatron's vocab-parallel `LanguageModelEmbedding` (first pipeline stage)
     decoder          Megatron's `TransformerBlock` of the layers the family's spec gives this stage
-    output_layer     a `ColumnParallelLinear` whose logits stay vocab-parallel (last stage)
+    output_layer     a `ColumnParallelLinear` whose logits stay vocab-parallel (last stage), or a critic's /
+                     reward model's scalar head (`head`: models/heads.py)
 
 A family's model module (models/qwen3_5.py, models/glm5.py) supplies the TransformerConfig and the
 block spec of a stage; the family record (families/) hands in its per-layer-type records, which the
@@ -29,6 +30,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from longstraw_mcore.config import ModelConfig, ParallelConfig
+from longstraw_mcore.models.heads import make_head
 from longstraw_mcore.models.replay_interface import ReplayModelMixin
 from longstraw_mcore.prompt_state.hooks import StateHooks
 
@@ -63,9 +65,9 @@ class ReplayLanguageModel(ReplayModelMixin, LanguageModule):
 
     def __init__(self, config: TransformerConfig, model_cfg: ModelConfig, pg_collection,
                  spec: TransformerBlockSubmodules, layer_kinds: dict, kv_group=None, pre_process: bool = True,
-                 post_process: bool = True):
+                 post_process: bool = True, head: str = "lm"):
         super().__init__(config=config, pg_collection=pg_collection)
-        self.model_cfg, self.layer_kinds, self.kv_group = model_cfg, layer_kinds, kv_group
+        self.model_cfg, self.layer_kinds, self.kv_group, self.head = model_cfg, layer_kinds, kv_group, head
         self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = False
@@ -77,7 +79,9 @@ class ReplayLanguageModel(ReplayModelMixin, LanguageModule):
                                                     tp_group=pg_collection.tp)
         self.decoder = TransformerBlock(config=config, spec=spec, pre_process=pre_process,
                                         post_process=post_process, pg_collection=pg_collection)
-        if post_process:
+        if post_process and head != "lm":  # a critic's or a reward model's scalar head (models/heads.py)
+            self.output_layer = make_head(head, config.hidden_size, config.params_dtype)
+        elif post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, self.padded_vocab_size, config=config, init_method=config.init_method,
                 bias=False, skip_bias_add=False, gather_output=False, tp_group=pg_collection.tp)
@@ -105,11 +109,11 @@ class ReplayLanguageModel(ReplayModelMixin, LanguageModule):
 
 
 def build(transformer_config: TransformerConfig, model_cfg: ModelConfig, parallel, spec, layer_kinds: dict,
-          device: str) -> ReplayLanguageModel:
+          device: str, head: str = "lm") -> ReplayLanguageModel:
     """This rank's part of the model (its pipeline stage, its TP shard) on `device`."""
     model = ReplayLanguageModel(transformer_config, model_cfg, parallel.pgs, spec, layer_kinds,
                                 kv_group=parallel.tp_kv, pre_process=parallel.is_first_stage,
-                                post_process=parallel.is_last_stage)
+                                post_process=parallel.is_last_stage, head=head)
     return model.cuda() if device == "cuda" else model
 
 

@@ -81,10 +81,11 @@ def block_spec(m: Qwen35Config, layers: range, kv=None) -> TransformerBlockSubmo
                                       layer_norm=ZeroCenteredRMSNorm)
 
 
-def build_model(model_cfg: Qwen35Config, parallel, device: str, layer_kinds: dict) -> ReplayLanguageModel:
+def build_model(model_cfg: Qwen35Config, parallel, device: str, layer_kinds: dict,
+                head: str = "lm") -> ReplayLanguageModel:
     """This rank's part of the model (its pipeline stage, its TP shard) on `device`; `layer_kinds`: the
     family's per-layer-type records (families/qwen3_5.py hands them in)."""
     pc = ParallelConfig(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, pp_layers=parallel.stage_layers)
     spec = block_spec(model_cfg, stage_range(parallel), parallel.tp_kv)
     return language_model.build(transformer_config(model_cfg, pc, device), model_cfg, parallel, spec, layer_kinds,
-                                device)
+                                device, head)

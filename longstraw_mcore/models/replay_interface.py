@@ -8,8 +8,9 @@
     forward_state(input_ids, state)      exact mode's recompute of a prompt chunk: this stage's
                                          layers; on the last stage the last layer only as far as
                                          its state (its output feeds nothing), returning None
-    token_logprobs(hidden, targets, n)   per-token log-probs [B, T] (vocab-parallel, n tokens at a time,
-                                         padded vocabulary entries masked out)
+    token_outputs(hidden, targets, n)    per-token outputs [B, T]: log-probs of the targets (vocab-parallel,
+                                         n tokens at a time, padded vocabulary entries masked out), or a
+                                         critic's values / a reward model's scores (models/heads.py)
     tp_size                              tensor-parallel size of the state
     cp_group                             the context-parallel group (Megatron's LanguageModule sets it)
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from longstraw_mcore.loss.logprobs import token_logprobs
+from longstraw_mcore.models.heads import token_values
 
 
 class ReplayModelMixin:
@@ -51,5 +53,7 @@ class ReplayModelMixin:
             last.self_attention.produce_state(last.input_layernorm(hidden), state)
         return None
 
-    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    def token_outputs(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        if getattr(self, "head", "lm") != "lm":
+            return token_values(self.output_layer, hidden)
         return token_logprobs(self.output_layer, hidden, targets, chunk, vocab_size=self.model_cfg.vocab_size)

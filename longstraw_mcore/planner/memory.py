@@ -44,6 +44,9 @@ stage and TP rank):
                      (Megatron DDP's buckets are views into the gradient buffer, counted above)
     allocator_slack  CUDA: 5% of everything else (the caching allocator's fragmentation); CPU: none
                      (tensors are freed to the system allocator)
+    critic_*         grpo.objective=ppo: the critic's weights, gradient buffer and Adam state beside the
+                     policy's (critic_terms: same ranks, time-shared; its state and activations are the
+                     policy's at most and gone before the policy's pass)
 
 Host, per rank (pinned on CUDA; a node holds min(ranks, gpus per node) ranks, each counted as the
 largest; not counted: the process itself, the CUDA context, data loading, checkpoint I/O):
@@ -340,9 +343,38 @@ def stage_plan(family, cfg, P: int, R: int, G: int, world_size: int, s: int, on_
     out["activations"] = max(phases.values())
     if grads == "plain":  # no .grad and no state gradient exists yet while the prompt is captured
         out["activations"] = max(later, phases["capture"] - out["gradients"] - out["prompt_state_grad"])
+    if cfg.grpo.objective == "ppo":  # the critic: same ranks, time-shared (critic_terms)
+        critic, critic_host = critic_terms(family, cfg, stages, s, shards, sharded)
+        out.update(critic)
+        host.update(critic_host)
     out["comm_buffers"] = NCCL_BYTES if on_cuda else 0
     out["allocator_slack"] = int(SLACK * sum(out.values())) if on_cuda else 0
     return out, host
+
+
+def critic_terms(family, cfg, stages: list[int], s: int, shards: int, sharded: bool) -> tuple[dict, dict]:
+    """PPO's critic (grpo.objective=ppo), planned as the policy's dimensions with a value head (`--critic
+    policy`, or a critic of the policy's size: the expected case) on the same ranks, time-shared: its
+    weights, its DDP gradient buffer and its Adam state stay beside the policy's for the whole step (device,
+    or host under memory.optimizer_offload), while its prompt state and activations exist only during its
+    own pass, which runs before the policy's and is no larger (a scalar head in place of the vocabulary's
+    logits), so the policy's terms already bound them."""
+    import dataclasses
+
+    from longstraw_mcore.checkpoint import heads
+
+    m = cfg.model
+    e = _elem(m.dtype)
+    fam = dataclasses.replace(family, name=f"{family.name}:critic", checkpoint=heads.mapping(family.checkpoint,
+                                                                                              "token_value"))
+    weights, n = stage_weights(fam, dataclasses.replace(cfg, adapter=type(cfg.adapter)()), stages, s)
+    moments = n * 8 + (n * 4 if m.dtype == "bfloat16" else 0)
+    optimizer = -(-moments // shards) if sharded else moments
+    off = cfg.memory.optimizer_offload
+    device = {"critic_weights": weights, "critic_gradients": n * (4 if m.dtype == "bfloat16" else e),
+              "critic_optimizer": 0 if off else optimizer}
+    return device, {"critic_optimizer": optimizer if off else 0,
+                    "critic_optimizer_grads": (-(-n * 4 // shards) if sharded else n * 4) if off else 0}
 
 
 def plan_both(family, cfg, P: int, R: int, G: int, world_size: int, cuda: bool | None = None,
@@ -391,6 +423,8 @@ def no_optimizer_plan(family, cfg, P: int, R: int, G: int, world_size: int) -> d
     allocator slack (an allocated peak holds no fragmentation)."""
     planned = plan_memory(family, cfg, P, R, G, world_size)
     planned["optimizer"] = 0
+    if "critic_optimizer" in planned:
+        planned["critic_optimizer"] = 0
     planned["allocator_slack"] = 0
     return planned
 

@@ -175,6 +175,9 @@ def plan_time(family, cfg, P: int, R: int, G: int, world_size: int, dev, efficie
         sweep = flops["capture"] if "prompt_backward" in flops else 0.0
         seconds["recompute"] = (((flops["recompute"] - sweep) * bubble(passes, p.pp) + sweep * bubble(n, p.pp))
                                 / peak["recompute"])
+    if cfg.grpo.objective == "ppo":  # the critic's own capture, replay and sweep (memory.critic_terms): the
+        # policy's phases again, an upper bound (its scalar head has no vocabulary projection)
+        seconds["critic"] = sum(seconds.values())
     moved = transfer_bytes(cfg, P, passes, host)
     if moved:
         seconds["state_transfer"] = sum(moved.values()) / PCIE_BYTES_PER_S

@@ -27,10 +27,14 @@ def rank_tensor_sizes(family, m, tp: int, ep: int, stage_layers: list[int], stag
         if layer is None:
             if name.startswith("model.embed_tokens") and stage != 0:
                 continue
-            if (name.startswith("lm_head") or name == "model.norm.weight") and stage != len(stage_layers) - 1:
+            last = stage == len(stage_layers) - 1
+            if (name.startswith(("lm_head", "score.")) or name == "model.norm.weight") and not last:
                 continue
             if name.startswith(("model.embed_tokens", "lm_head")):
                 out.append(m.padded_vocab_size(tp) * shape[1] // tp)
+                continue
+            if name.startswith("score."):  # a critic's / reward model's scalar head: whole on every TP rank
+                out.append(math.prod(shape))
                 continue
         elif layer not in mine:
             continue

@@ -51,10 +51,24 @@ def _scaled(fn, scale: float):
     return loss_fn
 
 
+def with_reference(group: RolloutGroup, ref_model, rcfg: ReplayConfig, gcfg: GRPOConfig, index: int):
+    """(the group with reference log-probs where grpo.beta > 0 needs them, the reference state's bytes):
+    the rollout's, or the reference model's scored without autograd."""
+    if gcfg.beta == 0 or group.ref_logprobs is not None:
+        return group, 0
+    if ref_model is None:
+        raise ValueError(f"group {index}: grpo.beta={gcfg.beta} needs ref_logprobs in the rollouts or a "
+                         "reference model (--ref-hf / --ref-load)")
+    ref_lps, ref_state = score_group(ref_model, group.prompt, group.responses, rcfg)
+    return replace(group, ref_logprobs=[lp.tolist() for lp in ref_lps]), ref_state.nbytes()
+
+
 def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConfig, scale: float = 1.0,
                   ref_model=None, index: int = 0, state=None, watch=None) -> GroupStats:
     """One group's loss and gradient (`state`: its prompt's state captured before, reused with
     adapter.prompt=frozen: run_group; `watch`: progress and safe points, replay/watch.py)."""
+    if gcfg.objective == "ppo":
+        raise ValueError("grpo.objective=ppo runs through replay/ppo_step.process_ppo_group (it needs a critic)")
     t0 = time.perf_counter()
     stats = GroupStats(reward_mean=sum(group.rewards) / len(group.rewards))
     ref_state_bytes = 0
@@ -84,14 +98,7 @@ def process_group(model, group: RolloutGroup, rcfg: ReplayConfig, gcfg: GRPOConf
             # expert parallelism: the EP group's other ranks replay their groups now, and every MoE layer
             # exchanges tokens with this rank, so it replays this one too, with no gradient (advantages 0)
             adv, scale = [0.0] * len(group.responses), 0.0
-        if gcfg.beta > 0 and group.ref_logprobs is None:
-            if ref_model is None:
-                raise ValueError(f"group {index}: grpo.beta={gcfg.beta} needs ref_logprobs in the rollouts or a "
-                                 "reference model (--ref-hf / --ref-load)")
-            ref_lps, ref_state = score_group(ref_model, group.prompt, group.responses, rcfg)
-            ref_state_bytes = ref_state.nbytes()
-            del ref_state
-            group = replace(group, ref_logprobs=[lp.tolist() for lp in ref_lps])
+        group, ref_state_bytes = with_reference(group, ref_model, rcfg, gcfg, index)
         fn = group_loss_fn(group, gcfg, adv)
         loss = None
     replay = group_replay_steps(model, group.responses, rcfg)  # (under EP: collectives decide tree and micro-steps)

@@ -254,7 +254,7 @@ def _replay_and_sweep(core, model, steps: list[Step], g, state: PromptState, lay
 
         def loss(hidden):
             with torch.set_grad_enabled(grad):
-                seg.set_logprobs(core.token_logprobs(out, tgt, g.cfg.logprob_chunk)[0], grad)
+                seg.set_logprobs(core.token_outputs(out, tgt, g.cfg.logprob_chunk)[0], grad)
             return _loss((hidden * 0).sum() if grad else hidden.new_zeros(()), n)
 
         return sent, loss

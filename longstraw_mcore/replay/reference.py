@@ -16,7 +16,7 @@ def full_sequence_branches(model, prompt: list[int], responses: list[list[int]],
         ids = torch.tensor([prompt + resp[:-1]], device=device)
         hidden = model(ids, hidden_only=True)                       # [P+R-1, 1, Hd]
         tgt = torch.tensor([resp], device=device)
-        logp = core.token_logprobs(hidden[P - 1:], tgt, logprob_chunk)[0]
+        logp = core.token_outputs(hidden[P - 1:], tgt, logprob_chunk)[0]
         if loss_fn is not None:
             loss, _ = loss_fn(b, logp)
             loss.backward()

@@ -241,7 +241,7 @@ def branch_losses(core, hidden: torch.Tensor, tgt: torch.Tensor, step: Step, g: 
     """Per-token log-probs of the micro-step's branches from the last layer's output (after the
     log-probs of the prefix tree's segments on `path`), and (with a loss function) the sum of their
     loss terms: (total or None, {branch: BranchResult})."""
-    logp = core.token_logprobs(hidden, tgt, g.cfg.logprob_chunk)
+    logp = core.token_outputs(hidden, tgt, g.cfg.logprob_chunk)
     depth = step.span[0]
     above = path.logprobs() if path is not None else []
     total, out = None, {}
@@ -305,7 +305,7 @@ def segment_forward(core, state: PromptState, path, step: Step, g: GroupInputs, 
     ids, tgt, seg = segment_inputs(state, step, g, device)
     with torch.set_grad_enabled(grad):
         hidden = core.forward_hidden(ids, SegmentContext(state, path, seg, layout))
-        logp = core.token_logprobs(hidden, tgt, g.cfg.logprob_chunk)[0]
+        logp = core.token_outputs(hidden, tgt, g.cfg.logprob_chunk)[0]
     seg.seal(logp, grad)
     path.stack.append(seg)
 

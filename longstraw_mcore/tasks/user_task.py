@@ -43,8 +43,9 @@ def prepare(args, cfg, log=print) -> UserTask:
     if cfg.reward.weights and len(cfg.reward.weights) != len(rewards):
         raise ConfigError(f"reward.weights={cfg.reward.weights}: {len(cfg.reward.weights)} weight(s) for "
                           f"{len(rewards)} --reward function(s); give one per --reward, in order")
-    if cfg.grpo.objective != "grpo":
-        raise ConfigError(f"--dataset samples GRPO groups; grpo.objective={cfg.grpo.objective!r}")
+    if cfg.grpo.objective == "dpo":
+        raise ConfigError("--dataset samples groups of G responses for grpo or ppo; grpo.objective='dpo' needs "
+                          "rollouts with a chosen and a rejected response")
     if cfg.rollout.branch_at and env:
         raise ConfigError(f"rollout.branch_at={cfg.rollout.branch_at}: tree sampling does not apply to --env episodes")
     src = getattr(args, "tokenizer", None) or getattr(args, "hf", None)

@@ -130,9 +130,11 @@ def build_optimizer(ddp, cfg: RunConfig, par):
 
 class Trainer:
     def __init__(self, cfg: RunConfig, par, ddp, optimizer, groups: list[RolloutGroup], ref_model=None, log=print,
-                 online=None, stop=None):
+                 online=None, stop=None, critic=None, reward_model=None):
         """`groups`: the rollouts file's groups; or `online` (rollout/online.OnlineGroups): groups sampled
-        from the current policy at every step. `stop`: train/stop.StopOnSignals (None: no stopping)."""
+        from the current policy at every step. `stop`: train/stop.StopOnSignals (None: no stopping).
+        `critic`: (its gradient holder, its optimizer) under grpo.objective=ppo, trained in the same step;
+        `reward_model`: scores every response in place of the groups' rewards (commands/critic.py)."""
         from longstraw_mcore.replay.watch import Watch
 
         self.cfg, self.par, self.ddp, self.opt = cfg, par, ddp, optimizer
@@ -144,6 +146,7 @@ class Trainer:
                            par.device)
         self.bad_in_a_row = 0
         self.skipped_updates = 0
+        self.critic, self.reward_model = critic, reward_model
 
     def _dp_rank(self) -> int:
         return self.par.pgs.dp.rank()
@@ -163,11 +166,14 @@ class Trainer:
         t0 = time.perf_counter()
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
+        if self.critic is not None:
+            self.critic[0].zero_grad_buffer()
+            self.critic[1].zero_grad()
         gps = cfg.train.groups_per_step
         # loss, reward, tokens, clipped, kl, skipped, groups, state bytes, prompt tokens, trained tokens (those
         # with a loss term: rollout loss_masks), replayed tokens (a prefix tree's shared segments once): host
         # numbers until reduced
-        acc = [0.0] * 11
+        acc = [0.0] * 13  # (+ PPO's value loss and clipped values)
         t_sample = time.perf_counter()
         if groups is not None:
             mine = list(enumerate(groups))
@@ -177,19 +183,35 @@ class Trainer:
             mine = [(gi, self.groups[gi]) for gi in
                     (group_index(self.step, self._dp_rank(), i, par.dp, gps, len(self.groups)) for i in range(gps))]
         t_sample = time.perf_counter() - t_sample
+        if self.reward_model is not None:  # a learned reward (every rank scores its own groups)
+            from dataclasses import replace
+
+            from longstraw_mcore.replay.reward_model import reward_scores
+
+            scores = reward_scores(self.reward_model, [g for _, g in mine], cfg.replay)
+            mine = [(gi, replace(g, rewards=sc)) for (gi, g), sc in zip(mine, scores)]
         states = self.online.states if self.online is not None and groups is None else {}
         stopped = False
         try:
             for gi, group in mine:
-                st = process_group(self.ddp, group, cfg.replay, cfg.grpo, scale=1.0 / gps,
-                                   ref_model=self.ref_model, index=gi, state=states.get(gi), watch=self.watch)
+                if self.critic is not None:
+                    from longstraw_mcore.replay.ppo_step import process_ppo_group
+
+                    st = process_ppo_group(self.ddp, self.critic[0], group, cfg.replay, cfg.grpo, cfg.ppo,
+                                           scale=1.0 / gps, ref_model=self.ref_model, index=gi, watch=self.watch)
+                else:
+                    st = process_group(self.ddp, group, cfg.replay, cfg.grpo, scale=1.0 / gps,
+                                       ref_model=self.ref_model, index=gi, state=states.get(gi), watch=self.watch)
                 for j, x in enumerate((st.loss, st.reward_mean, st.tokens, st.clipped, st.kl_sum, float(st.skipped),
                                        1.0, st.state_bytes + st.ref_state_bytes, len(group.prompt), st.trained_tokens,
-                                       st.replayed_tokens)):
+                                       st.replayed_tokens, getattr(st, "value_loss", 0.0),
+                                       getattr(st, "value_clipped", 0))):
                     acc[j] += x
         except Stopped:
             stopped = True  # this rank's lockstep group left its plan; the others learn below
         finalize_grads(self.ddp, par)  # (every rank joins: the sharded reduction's rounds, DDP's reduce)
+        if self.critic is not None:
+            finalize_grads(self.critic[0], par)
         requested = self.stop is not None and self.stop.requested
         stop = all_reduce_max([float(stopped), float(requested)], None, par.device)  # the world agrees
         if stop[0] > 0:
@@ -206,6 +228,7 @@ class Trainer:
         else:
             ok, grad_norm, _ = self.opt.step()
             bad = not ok  # (the optimizer's own check: a non-finite norm)
+        critic = self._critic_step(ok, acc) if self.critic is not None else {}
         self.bad_in_a_row = self.bad_in_a_row + 1 if bad else 0
         self.skipped_updates += int(bad)
         metrics = {
@@ -219,6 +242,7 @@ class Trainer:
             "state_bytes": int(acc[7] / n), "prompt_tokens": int(acc[8]),
             "skipped_updates": self.skipped_updates, "bad_steps_in_a_row": self.bad_in_a_row,
         }
+        metrics.update(critic)
         if stop[1] > 0:
             metrics["stop_requested"] = True
         if self.online is not None and groups is None:
@@ -229,6 +253,17 @@ class Trainer:
             metrics["tokens_per_s"] = (acc[8] + acc[2]) / max(metrics["seconds"], 1e-9)
         self.history.append(metrics)
         return metrics
+
+    def _critic_step(self, policy_ok: bool, acc: list) -> dict:
+        """The critic's update (after the policy's; skipped with it, or when its own gradients are not
+        finite) and its numbers."""
+        holder, opt = self.critic
+        ok, norm = False, float("nan")
+        if policy_ok and math.isfinite(acc[11]) and gradients_finite(holder, self.par):
+            ok, norm, _ = opt.step()
+        n = acc[6]
+        return {"value_loss": acc[11] / n, "value_clip_frac": acc[12] / max(acc[9], 1.0),
+                "critic_grad_norm": float(norm) if norm is not None else None, "critic_update_ok": bool(ok)}
 
     def _task_metrics(self, lengths: list[int]) -> dict:
         """The user task's per-step numbers (rollout/dataset_groups.py): the mean of each reward function per
@@ -246,14 +281,37 @@ class Trainer:
     # --- checkpoints (train/checkpoints.py: atomic publication, verification, fallback) ------------
 
     def save(self, root: str | Path, fault=None) -> Path:
+        """Step `self.step` under `root` (and the critic's under root/critic/, written first: a resume
+        takes the newest step whose policy and critic are both complete)."""
         from longstraw_mcore.train.optimizer_state import supported
 
+        if self.critic is not None:
+            holder, opt = self.critic
+            free = supported(opt, holder.module, self.cfg) is None
+            save_step(Path(root) / CRITIC_DIR, self.step, holder.module, _torch_optimizers(opt),
+                      holder.module.model_cfg, self.par.layout(), [], {"head": "token_value"}, fault=fault,
+                      rank_extra=opt.extra_state() if hasattr(opt, "extra_state") and not free else None,
+                      optimizer=opt if free else None)
         layout_free = supported(self.opt, self.ddp.module, self.cfg) is None
         extra = self.opt.extra_state() if hasattr(self.opt, "extra_state") and not layout_free else None
         return save_step(root, self.step, self.ddp.module, _torch_optimizers(self.opt), self.cfg.model,
                          self.par.layout(), self.history, {"run_config": asdict(self.cfg), **self._source_state()},
                          fault=fault,
                          rank_extra=extra, optimizer=self.opt if layout_free else None)
+
+    def _load_critic(self, root: Path, step: int) -> None:
+        """The critic's checkpoint of `step` (collective); CheckpointError when it is missing or damaged."""
+        from longstraw_mcore.checkpoint.common import CheckpointError
+        from longstraw_mcore.train.checkpoint_dirs import clean_unpublished, step_dir, verify
+
+        holder, opt = self.critic
+        path = step_dir(Path(root) / CRITIC_DIR, step)
+        clean_unpublished(path.parent)
+        why = verify(path) if path.is_dir() else "missing"
+        if why is not None:
+            raise CheckpointError(f"{path}: the critic's checkpoint of step {step}: {why}")
+        load_step(path, holder.module, _torch_optimizers(opt), opt.reload_model_params,
+                  getattr(opt, "load_extra_state", None), optimizer=opt)
 
     def _source_state(self) -> dict:
         """The online source's position in its dataset (rollout/dataset_groups.py), saved with the step."""
@@ -279,8 +337,11 @@ class Trainer:
                                       f"layout ({why or 'it was written per rank'})")
                 self.log(f"[resume] {path.name} was written at layout {meta.get('layout')}: resharding its "
                          f"optimizer state to {self.par.layout()}")
-            return load_step(path, self.ddp.module, _torch_optimizers(self.opt), self.opt.reload_model_params,
-                             getattr(self.opt, "load_extra_state", None), optimizer=self.opt)
+            got = load_step(path, self.ddp.module, _torch_optimizers(self.opt), self.opt.reload_model_params,
+                            getattr(self.opt, "load_extra_state", None), optimizer=self.opt)
+            if self.critic is not None:
+                self._load_critic(root, got[0])
+            return got
 
         got = resume_newest(root, load, self.log)
         if got is None:
@@ -289,6 +350,10 @@ class Trainer:
         if hasattr(self.online, "restore"):
             self.online.restore(metas[-1].get("dataset"))
         return True
+
+
+CRITIC_DIR = "critic"
+"""The critic's checkpoints: --save DIR/critic/step_N (its model and its optimizer)."""
 
 
 def _torch_optimizers(opt) -> list:

@@ -71,6 +71,7 @@ def _cases(tmp):
     (bad / "step_000003" / "shard.distcp").write_bytes(b"12345")
     (bad / "step_000003" / "manifest.json").write_text(json.dumps({"files": {"shard.distcp": 10}}))
     train = ["train", "--config", TINY, "--steps", "1"]
+    pol = _hf_config(tmp / "policy")
     return [
         ("dpo G=3", train + ["--rollouts", r3, "grpo.objective=dpo"],
          "group 1: DPO needs exactly 2 responses (chosen, rejected), got 3"),
@@ -131,6 +132,20 @@ def _cases(tmp):
          "model.layers.0.linear_attn.in_proj_z: lora_A [4, 7]"),
         ("not an adapter directory", train + ["--rollouts", ok, "--adapter", str(tmp)],
          "adapter_config.json"),
+        ("ppo without a critic", ["validate", "--hf", pol, "--rollouts", ok, "--out", str(tmp / "o1"),
+                                  "grpo.objective=ppo"],
+         "grpo.objective=ppo needs a critic: --critic DIR"),
+        ("critic whose vocabulary misses the policy's tokens",
+         ["validate", "--hf", pol, "--rollouts", ok, "--out", str(tmp / "o2"), "grpo.objective=ppo", "--critic",
+          _hf_config(tmp / "small_critic", vocab_size=100, architectures=["Qwen3_5ForTokenClassification"])],
+         "its vocabulary of 100 does not hold the policy's tokens (ids up to 511)"),
+        ("a language model given as the critic", ["validate", "--hf", pol, "--rollouts", ok, "--out", str(tmp / "o3"),
+                                                  "grpo.objective=ppo", "--critic", pol],
+         "is a policy (--hf, --ref-hf), but it was given as a critic (--critic)"),
+        ("gamma outside [0, 1]", train + ["--rollouts", ok, "grpo.objective=ppo", "ppo.gamma=1.5"],
+         "ppo.gamma=1.5: must be in [0, 1]"),
+        ("lambda outside [0, 1]", train + ["--rollouts", ok, "grpo.objective=ppo", "ppo.lam=-0.1"],
+         "ppo.lam=-0.1: must be in [0, 1]"),
     ]
 
 

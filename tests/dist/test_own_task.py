@@ -55,22 +55,32 @@ def _kr_args(d):
             str(d / "tokenizer"), "--reward", "examples/key_recall/reward.py:reward")
 
 
-def test_key_recall_text_equals_builtin(key_recall):
+PPO = ("grpo.objective=ppo", "--critic", "policy")
+
+
+@pytest.mark.parametrize("objective", ["grpo", "ppo"])
+def test_key_recall_text_equals_builtin(key_recall, objective):
+    """(PPO: the critic starts from the policy's weights; its value loss and gradient norm equal too.)"""
     runs = {}
-    for name, extra, over in (("builtin", (), ()), ("text", _kr_args(key_recall / "data"), ("dataset.shuffle=false",))):
-        m = key_recall / f"{name}.jsonl"
-        r = longstraw(2, "train", "--config", "configs/demo-key-recall.yaml", "--online", "--steps", "4",
+    ppo = PPO if objective == "ppo" else ()
+    steps = "4" if objective == "grpo" else "2"
+    for name, extra, over in (("builtin", ppo, ()), ("text", (*_kr_args(key_recall / "data"), *ppo),
+                                                      ("dataset.shuffle=false",))):
+        m = key_recall / f"{name}_{objective}.jsonl"
+        r = longstraw(2, "train", "--config", "configs/demo-key-recall.yaml", "--online", "--steps", steps,
                       "--metrics-out", str(m), *extra, *SMALL, *over, timeout=600)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         runs[name] = _metrics(m)
     a, b = runs["builtin"], runs["text"]
-    assert [x["step"] for x in a] == [x["step"] for x in b] == [0, 1, 2, 3, 4]
+    assert [x["step"] for x in a] == [x["step"] for x in b] == list(range(int(steps) + 1))
     for x, y in zip(a, b):
         print(f"step {x['step']}: loss {x.get('loss')} / {y.get('loss')}, grad norm {x.get('grad_norm')} / "
               f"{y.get('grad_norm')}, reward {x.get('reward_mean')} / {y.get('reward/reward')}, held-out "
               f"{x.get('heldout_reward')} / {y.get('heldout_reward')}")
-        for k in ("loss", "grad_norm", "reward_mean", "heldout_reward", "tokens", "prompt_tokens"):
+        for k in ("loss", "grad_norm", "reward_mean", "heldout_reward", "tokens", "prompt_tokens", "value_loss",
+                  "critic_grad_norm"):
             assert x.get(k) == y.get(k), (x["step"], k, x.get(k), y.get(k))
+        assert objective == "grpo" or x["step"] == 0 or x["critic_update_ok"]
     assert any(x.get("grad_norm") for x in a[1:]), "no step had an advantage: the comparison would be empty"
     assert all(y["reward/reward"] == y["reward_mean"] for y in b[1:])
 
