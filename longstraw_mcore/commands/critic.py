@@ -123,5 +123,9 @@ def _copy_trunk(policy, critic) -> None:
     theirs = dict(policy.named_parameters())
     with torch.no_grad():
         for name, p in critic.named_parameters():
-            if not name.startswith("output_layer."):
-                p.copy_(theirs[name])
+            if name.startswith("output_layer."):
+                continue
+            if name not in theirs or theirs[name].shape != p.shape:
+                raise ConfigError(f"--critic policy: the policy's {name} is not a plain weight of the critic's shape "
+                                  "(a quantized QLoRA base?); give the critic as a Hugging Face directory")
+            p.copy_(theirs[name])
