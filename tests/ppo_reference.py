@@ -6,7 +6,6 @@ sum A_k = sum_l (gamma lam)^l delta_{k+l} over the trained tokens, not a recursi
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import random
@@ -56,17 +55,26 @@ def write_models_and_rollouts(d, m, seed: int = 0, tree: bool = False):
     critic, rm = build_scalar_model(m, "token", seed + 5), build_scalar_model(m, "sequence", seed + 7)
     for model, name in ((policy, "policy"), (critic, "critic"), (rm, "rm")):
         model.save_pretrained(d / name)
+    write_groups(d / "r.jsonl", m.vocab_size, 24, (3, 8), seed, tree=tree, kl=True)
+    return policy, critic, rm
+
+
+def write_groups(path, V: int, prompt_len: int, lengths: tuple[int, int], seed: int, tree: bool = False,
+                 kl: bool = True) -> None:
+    """Two groups of 3 responses (lengths in [lengths)), random rewards; with `kl` reference log-probs (the
+    KL reward); group 1 with a loss mask, old log-probs and old values (group 0's old log-probs are the
+    policy's own, scored first); with `tree`, group 0's responses share a 3-token prefix."""
     rng = random.Random(seed)
-    V = m.vocab_size
-    with open(d / "r.jsonl", "w") as f:
+    with open(path, "w") as f:
         for gi in range(2):
-            prompt = [rng.randrange(V) for _ in range(24)]
-            resps = [[rng.randrange(V) for _ in range(rng.randrange(3, 8))] for _ in range(3)]
+            prompt = [rng.randrange(V) for _ in range(prompt_len)]
+            resps = [[rng.randrange(V) for _ in range(rng.randrange(*lengths))] for _ in range(3)]
             if tree and gi == 0:
                 stem = [rng.randrange(V) for _ in range(3)]
                 resps = [stem + r for r in resps]
-            obj = {"prompt": prompt, "responses": resps, "rewards": [rng.uniform(-1, 2) for _ in resps],
-                   "ref_logprobs": [[-rng.uniform(3, 6) for _ in r] for r in resps]}
+            obj = {"prompt": prompt, "responses": resps, "rewards": [rng.uniform(-1, 2) for _ in resps]}
+            if kl:
+                obj["ref_logprobs"] = [[-rng.uniform(3, 6) for _ in r] for r in resps]
             if gi == 1:
                 obj["loss_masks"] = [[1] * len(r) for r in resps]
                 obj["loss_masks"][0][1] = 0
@@ -74,7 +82,6 @@ def write_models_and_rollouts(d, m, seed: int = 0, tree: bool = False):
                 obj["old_values"] = [[rng.uniform(-1, 1) for _ in r] for r in resps]
                 obj["old_logprobs"] = [[-rng.uniform(3, 6) for _ in r] for r in resps]
             f.write(json.dumps(obj) + "\n")
-    return policy, critic, rm
 
 
 def plain_advantages(outcome, values, mask, gamma, lam, beta=0.0, old=None, ref=None):
@@ -169,12 +176,6 @@ def grads(model) -> dict:
     return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-@contextlib.contextmanager
-def fresh(model):
-    model.zero_grad(set_to_none=True)
-    yield model
-
-
 class GlmCritic(torch.nn.Module):
     """transformers' GlmMoeDsaModel with `score` = Linear(hidden, 1) on its final norm's output: the
     token-classification layout with one label under GLM's names (transformers has no such class)."""
@@ -216,32 +217,14 @@ class GlmCritic(torch.nn.Module):
 def write_glm(d, hf_cfg, seed: int = 0):
     """A GLM policy (GlmMoeDsaForCausalLM) and critic (GlmCritic) under `d`, and r.jsonl (two groups, one with
     a loss mask and old values); returns (policy, critic)."""
-    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as M
+    from test_glm_parity import _hf_model  # (tests/reference: the GLM parity test's weights)
 
-    torch.manual_seed(seed)
     with LiftFloat32ToFloat64():
-        policy = M.GlmMoeDsaForCausalLM(hf_cfg).to(torch.float64)
-        with torch.no_grad():
-            for n, p in policy.named_parameters():
-                if p.dim() == 1:
-                    p.add_(0.1 * torch.randn_like(p))
-                elif "experts" in n:
-                    p.normal_(0, 0.2)
+        policy = _hf_model(hf_cfg, seed)
         critic = GlmCritic(hf_cfg, seed + 1)
     policy.eval()
     critic.eval()
     policy.save_pretrained(d / "policy")
     critic.save(d / "critic")
-    rng = random.Random(seed)
-    V = hf_cfg.vocab_size
-    with open(d / "r.jsonl", "w") as f:
-        for gi in range(2):
-            prompt = [rng.randrange(V) for _ in range(13)]
-            resps = [[rng.randrange(V) for _ in range(rng.randrange(2, 6))] for _ in range(3)]
-            obj = {"prompt": prompt, "responses": resps, "rewards": [rng.uniform(-1, 2) for _ in resps]}
-            if gi == 1:
-                obj["loss_masks"] = [[1] * len(r) for r in resps]
-                obj["loss_masks"][0][0] = 0
-                obj["old_values"] = [[rng.uniform(-1, 1) for _ in r] for r in resps]
-            f.write(json.dumps(obj) + "\n")
+    write_groups(d / "r.jsonl", hf_cfg.vocab_size, 13, (2, 6), seed, kl=False)
     return policy, critic
