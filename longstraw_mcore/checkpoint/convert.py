@@ -104,7 +104,7 @@ def _init_cpu_process() -> None:
 def load_hf_into_model(family, model, src: str | Path, expect: ModelConfig | None = None, log=print) -> list[str]:
     """Load an HF directory of `family` into this rank's shard of `model` (converted in memory; each HF
     tensor is read only for the rows/columns this rank holds)."""
-    head = head_of_model(model)
+    head = heads.head_of_model(model)
     mapping = heads.mapping(family.checkpoint, head)
     m, raw = mapping.read_config(src)
     heads.check_head(raw, family.checkpoint, head, src)
@@ -113,13 +113,6 @@ def load_hf_into_model(family, model, src: str | Path, expect: ModelConfig | Non
     tensors, skipped = read_tensors(src, mapping.tensor_name)
     load_full(model, mapping.LazyCanonical(tensors, m, where=str(src)))
     return skipped + mapping.skipped_names(tensors, m)
-
-
-def head_of_model(model) -> str:
-    """The model's output head (models/heads.py), through any wrapper (DDP, Float16Module)."""
-    while not hasattr(model, "head") and hasattr(model, "module"):
-        model = model.module
-    return getattr(model, "head", "lm")
 
 
 def _check_same_dims(m: ModelConfig, expect: ModelConfig, src) -> None:
@@ -140,7 +133,7 @@ def hf_tensors(family, model, m: ModelConfig, grads: bool = False, dst: int = 0)
     follows, for a writer that lays out a file before the data."""
     import torch.distributed as dist
 
-    mapping = heads.mapping(family.checkpoint, head_of_model(model))
+    mapping = heads.mapping(family.checkpoint, heads.head_of_model(model))
     rules = mapping.rules(m)
     shapes = mapping.hf_shapes(m)
     local = dict(_local_dtypes(model, grads))  # (what a gradient is kept in differs from the parameter's)

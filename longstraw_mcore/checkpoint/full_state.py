@@ -68,12 +68,11 @@ def _leaves(entry):
 def _true_rows(model, leaf) -> int | None:
     """Rows of the unpadded tensor for a padded (vocabulary) leaf; None for every other leaf (a critic's or
     reward model's scalar head, models/heads.py, is not padded, though Megatron marks `output_layer` so)."""
+    from longstraw_mcore.checkpoint.heads import head_of_model
+
     if not getattr(leaf, "allow_shape_mismatch", False):
         return None
-    core = model
-    while not hasattr(core, "head") and hasattr(core, "module"):
-        core = core.module
-    if getattr(core, "head", "lm") != "lm" and leaf.key.startswith("output_layer."):
+    if head_of_model(model) != "lm" and leaf.key.startswith("output_layer."):
         return None
     return int(model.vocab_size)
 

@@ -22,6 +22,13 @@ from longstraw_mcore.checkpoint.rule_table import Rule
 LM_HEAD = "lm_head.weight"
 
 
+def head_of_model(model) -> str:
+    """A built model's output head (models/heads.py), through any wrapper (DDP, Float16Module)."""
+    while not hasattr(model, "head") and hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "head", "lm")
+
+
 def head_of(raw: dict, base) -> str:
     """The head a config.json's architectures name (`base`: the family's checkpoint module)."""
     archs = raw.get("architectures") or []

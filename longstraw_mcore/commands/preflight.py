@@ -76,7 +76,7 @@ def check_groups(cfg: RunConfig, groups, has_ref_model: bool) -> None:
 def check_save_dir(save: str | None, resume: bool, steps: int, critic: bool = False) -> int | None:
     """--save/--resume/--steps; returns the step a resume would start from (None: a fresh run). With a
     `critic` (PPO), a step counts only when the critic's checkpoint of it is complete too (DIR/critic)."""
-    from longstraw_mcore.train.checkpoint_dirs import newest_complete, published_steps
+    from longstraw_mcore.train.checkpoint_dirs import CRITIC_DIR, newest_complete, published_steps, step_dir, verify
 
     if steps < 1:
         raise ConfigError(f"--steps {steps}: must be >= 1")
@@ -98,10 +98,8 @@ def check_save_dir(save: str | None, resume: bool, steps: int, critic: bool = Fa
         return 0
     step = int(newest.name.split("_")[1])
     if critic:
-        from longstraw_mcore.train.checkpoint_dirs import step_dir, verify
-
-        done = [s for s, _ in published_steps(root) if s <= step and (step_dir(root / "critic", s)).is_dir()
-                and verify(step_dir(root / "critic", s)) is None]
+        done = [s for s, _ in published_steps(root) if s <= step and step_dir(root / CRITIC_DIR, s).is_dir()
+                and verify(step_dir(root / CRITIC_DIR, s)) is None]
         return done[-1] if done else 0
     return step
 

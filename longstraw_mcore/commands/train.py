@@ -62,7 +62,8 @@ def run(args) -> int:
         check_groups(cfg, groups, has_ref_model=bool(args.ref_hf or args.ref_load))
     from longstraw_mcore.commands.critic import critic_config, reward_config
 
-    critic_config(cfg, args.critic), reward_config(cfg, args.reward_model, "train")  # (refused here, before any model work)
+    critic_config(cfg, args.critic)  # (refused here, before any model work)
+    reward_config(cfg, args.reward_model, "train")
     try:
         return _checked(args, cfg, adapter, groups, online, user)
     finally:
@@ -222,7 +223,7 @@ def _save(args, trainer):
         for old in prune_steps(args.save, keep):
             rank0_print(f"[train] removed {old} (train.keep_last={keep})")
         if trainer.critic is not None:
-            from longstraw_mcore.train.trainer import CRITIC_DIR
+            from longstraw_mcore.train.checkpoint_dirs import CRITIC_DIR
 
             prune_steps(Path(args.save) / CRITIC_DIR, keep)
     return dst

@@ -80,14 +80,14 @@ def run(args) -> int:
     from longstraw_mcore.ops import dispatch
 
     dispatch.reset_kernels()
-    if critic is not None:
-        from functools import partial
+    from functools import partial
 
+    if critic is not None:
         from longstraw_mcore.replay.ppo_step import process_ppo_group
 
         step = partial(process_ppo_group, ddp, critic, pcfg=cfg.ppo)
     else:
-        step = partial_group(process_group, ddp)
+        step = partial(process_group, ddp)
     for i, stand_in in _slots(n, par.dp, dp_rank, par.ep):
         if stand_in:  # (expert parallelism: its all-to-alls need this rank; the group's gradient counts 0 times)
             step(groups[i], rcfg=cfg.replay, gcfg=cfg.grpo, scale=0.0, ref_model=ref, index=i)
@@ -171,14 +171,6 @@ def run(args) -> int:
                     + (" and grads.safetensors" if args.dump_grads else ""))
     dist.barrier()
     return 0
-
-
-def partial_group(fn, model):
-    """process_group with the objective's keyword names (those of process_ppo_group)."""
-    def step(group, rcfg, gcfg, scale, ref_model, index, watch=None):
-        return fn(model, group, rcfg, gcfg, scale=scale, ref_model=ref_model, index=index, watch=watch)
-
-    return step
 
 
 def _kernels(per_rank: list[dict]) -> dict:

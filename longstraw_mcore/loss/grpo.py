@@ -41,10 +41,11 @@ def branch_weights(trained: list[int], cfg: GRPOConfig) -> list[float]:
     return [1.0 / (live * n) if n else 0.0 for n in trained]
 
 
-def branch_loss(logp: torch.Tensor, adv: float, weight: float, cfg: GRPOConfig,
+def branch_loss(logp: torch.Tensor, adv: float | torch.Tensor, weight: float, cfg: GRPOConfig,
                 old: torch.Tensor | None = None, ref: torch.Tensor | None = None, mask: torch.Tensor | None = None):
     """One branch's term of L (a scalar with graph) and its stats (clipped and KL over the trained tokens;
-    `tokens`: all replayed, `trained`: those with a loss term). `mask`: the 0/1 loss mask, or None."""
+    `tokens`: all replayed, `trained`: those with a loss term). `adv`: the branch's advantage, or one per
+    token (PPO's, loss/ppo.py). `mask`: the 0/1 loss mask, or None."""
     old = logp.detach() if old is None else old.to(logp.dtype)
     keep = None if mask is None else mask.bool()
     ratio = torch.exp(logp - old)
@@ -59,7 +60,7 @@ def branch_loss(logp: torch.Tensor, adv: float, weight: float, cfg: GRPOConfig,
         per_token = per_token + cfg.beta * k3
         kl_sum = float((k3.detach() if keep is None else k3.detach()[keep]).sum())
     hit = (ratio * adv) > (clipped * adv)
-    n_clipped = int((hit if keep is None else hit & keep).sum()) if adv != 0 else 0
+    n_clipped = int((hit if keep is None else hit & keep).sum())  # (a zero advantage clips nothing)
     if keep is not None:  # (where, not a product: a masked token's term is dropped, whatever its value)
         per_token = torch.where(keep, per_token, torch.zeros_like(per_token))
     trained = int(logp.numel() if keep is None else keep.sum())

@@ -12,7 +12,8 @@ value V_t of token t read at the position whose logits give t's log-prob (the po
     values      V = the rollout's `old_values` when it has them, else the critic's current values (no gradient)
     returns     R_t = A_t + V_t (no gradient)
     whitening   ppo.whiten_advantages: A <- (A - mean) / (std + grpo.adv_eps) over the group's trained tokens
-    policy      l_t = -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t), rho_t = exp(logp_t - old_t)
+    policy      l_t = -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t), rho_t = exp(logp_t - old_t):
+                GRPO's branch term with per-token advantages and no KL term (loss/grpo.py branch_loss)
     value       v_t = 0.5 max((V'_t - R_t)^2, (V_t + clip(V'_t - V_t, -c, c) - R_t)^2) (V': the critic's
                 values with gradient; c = ppo.value_clip; c = 0: the first term alone)
     L_pi = sum_b w_b sum_t m_t l_t,  L_V = ppo.vf_coef sum_b w_b sum_t m_t v_t   (w_b: grpo.aggregation, as GRPO)
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from longstraw_mcore.config import GRPOConfig, PPOConfig
+from longstraw_mcore.config import PPOConfig
 
 
 def token_rewards(outcome: float, n: int, mask: list[int] | None, beta: float = 0.0, old: list[float] | None = None,
@@ -68,21 +69,6 @@ def whiten(advs: list[list[float]], masks: list[list[int] | None], eps: float) -
     mean, std = float(x.mean()), float(x.std())
     return [[(a - mean) / (std + eps) if (m is None or m[t]) else 0.0 for t, a in enumerate(adv)]
             for adv, m in zip(advs, masks)]
-
-
-def policy_loss(logp: torch.Tensor, adv: torch.Tensor, weight: float, cfg: GRPOConfig, old: torch.Tensor | None,
-                mask: torch.Tensor | None):
-    """One branch's clipped surrogate term (scalar with graph) and its stats."""
-    old = logp.detach() if old is None else old.to(logp.dtype)
-    adv = adv.to(logp.dtype)
-    ratio = torch.exp(logp - old)
-    clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    per_token = -torch.minimum(ratio * adv, clipped * adv)
-    keep = torch.ones_like(logp, dtype=torch.bool) if mask is None else mask.bool()
-    hit = ((ratio * adv) > (clipped * adv)) & keep
-    per_token = torch.where(keep, per_token, torch.zeros_like(per_token))
-    return per_token.sum() * weight, {"clipped": int(hit.sum()), "kl_sum": 0.0, "tokens": int(logp.numel()),
-                                      "trained": int(keep.sum())}
 
 
 def value_loss(values: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, weight: float, cfg: PPOConfig,

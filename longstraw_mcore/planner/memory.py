@@ -328,14 +328,7 @@ def stage_plan(family, cfg, P: int, R: int, G: int, world_size: int, s: int, on_
         out["gradients"] = n * e
     else:
         out["gradients"] = n * (4 if m.dtype == "bfloat16" else e)
-    if t.grad_reduction == "micro_step":  # AdamW's two moments and the master shard, in the shard dtype
-        moments = n * 3 * (8 if m.dtype == "float64" else 4)  # (train/zero2.py: float64 for float64 models)
-    else:
-        moments = n * 8 + (n * 4 if m.dtype == "bfloat16" else 0)
-    optimizer = -(-moments // shards) if sharded else moments
-    out["optimizer"] = 0 if mem.optimizer_offload else optimizer
-    host["optimizer"] = optimizer if mem.optimizer_offload else 0
-    host["optimizer_grads"] = (-(-n * 4 // shards) if sharded else n * 4) if mem.optimizer_offload else 0
+    (out["optimizer"], host["optimizer"]), host["optimizer_grads"] = optimizer_terms(cfg, n, shards, sharded)
     out["prompt_state"], host["prompt_state"] = state_homes(family.layers, m, mem, p.tp, captured,
                                                             chunks if exact else 0, types, p.cp)
     out["prompt_state_grad"], host["prompt_state_grad"] = (grad_homes(family.layers, m, mem, p.tp, captured, types)
@@ -352,13 +345,29 @@ def stage_plan(family, cfg, P: int, R: int, G: int, world_size: int, s: int, on_
     return out, host
 
 
+def optimizer_terms(cfg, n: int, shards: int, sharded: bool) -> tuple[tuple[int, int], int]:
+    """((device, host) bytes of the optimizer state of n trainable parameters, the host's float32 gradient
+    copy under memory.optimizer_offload): Adam's moments (+ a float32 master copy below float32 models), or
+    micro_step's AdamW moments and master shard in the shard dtype; sharded over dp x cp when `sharded`."""
+    m = cfg.model
+    if cfg.train.grad_reduction == "micro_step":  # AdamW's two moments and the master shard, in the shard dtype
+        moments = n * 3 * (8 if m.dtype == "float64" else 4)  # (train/zero2.py: float64 for float64 models)
+    else:
+        moments = n * 8 + (n * 4 if m.dtype == "bfloat16" else 0)
+    optimizer = -(-moments // shards) if sharded else moments
+    off = cfg.memory.optimizer_offload
+    return (0, optimizer) if off else (optimizer, 0), ((-(-n * 4 // shards) if sharded else n * 4) if off else 0)
+
+
 def critic_terms(family, cfg, stages: list[int], s: int, shards: int, sharded: bool) -> tuple[dict, dict]:
     """PPO's critic (grpo.objective=ppo), planned as the policy's dimensions with a value head (`--critic
     policy`, or a critic of the policy's size: the expected case) on the same ranks, time-shared: its
     weights, its DDP gradient buffer and its Adam state stay beside the policy's for the whole step (device,
     or host under memory.optimizer_offload), while its prompt state and activations exist only during its
     own pass, which runs before the policy's and is no larger (a scalar head in place of the vocabulary's
-    logits), so the policy's terms already bound them."""
+    logits), so the policy's terms already bound them. Its optimizer follows the policy's formulas
+    (optimizer_terms); its gradients are planned as a full buffer (under train.grad_reduction=micro_step
+    an upper bound: there it is reduce-scattered into shards)."""
     import dataclasses
 
     from longstraw_mcore.checkpoint import heads
@@ -368,13 +377,10 @@ def critic_terms(family, cfg, stages: list[int], s: int, shards: int, sharded: b
     fam = dataclasses.replace(family, name=f"{family.name}:critic", checkpoint=heads.mapping(family.checkpoint,
                                                                                               "token_value"))
     weights, n = stage_weights(fam, dataclasses.replace(cfg, adapter=type(cfg.adapter)()), stages, s)
-    moments = n * 8 + (n * 4 if m.dtype == "bfloat16" else 0)
-    optimizer = -(-moments // shards) if sharded else moments
-    off = cfg.memory.optimizer_offload
+    (device_opt, host_opt), host_grads = optimizer_terms(cfg, n, shards, sharded)
     device = {"critic_weights": weights, "critic_gradients": n * (4 if m.dtype == "bfloat16" else e),
-              "critic_optimizer": 0 if off else optimizer}
-    return device, {"critic_optimizer": optimizer if off else 0,
-                    "critic_optimizer_grads": (-(-n * 4 // shards) if sharded else n * 4) if off else 0}
+              "critic_optimizer": device_opt}
+    return device, {"critic_optimizer": host_opt, "critic_optimizer_grads": host_grads}
 
 
 def plan_both(family, cfg, P: int, R: int, G: int, world_size: int, cuda: bool | None = None,

@@ -16,14 +16,14 @@ per-branch values, advantages and returns come back in `PPOStats` (validate's re
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from longstraw_mcore.config import GRPOConfig, PPOConfig, ReplayConfig
 from longstraw_mcore.data.rollouts import RolloutGroup
 from longstraw_mcore.loss import ppo
-from longstraw_mcore.loss.grpo import branch_weights
+from longstraw_mcore.loss.grpo import branch_loss, branch_weights
 from longstraw_mcore.replay.engine import group_replay_steps, run_group, score_group, steps_tokens
 from longstraw_mcore.replay.group_step import GroupStats, _scaled, with_reference
 
@@ -69,7 +69,7 @@ def process_ppo_group(policy, critic, group: RolloutGroup, rcfg: ReplayConfig, g
         return term, dict(st, values=cur, advantages=adv, returns=ret, tokens=len(cur),
                           trained=len(cur) if mask is None else int(mask.sum()))
 
-    replay = group_replay_steps(critic, group.responses, rcfg)
+    replay = group_replay_steps(policy, group.responses, rcfg)  # (both models: the same layout, the same steps)
     if watch is not None:
         watch.label = f"group {index} critic "
     vres, vstate, vsec = run_group(critic, group.prompt, group.responses, _scaled(value_fn, scale), rcfg,
@@ -81,11 +81,12 @@ def process_ppo_group(policy, critic, group: RolloutGroup, rcfg: ReplayConfig, g
     if pcfg.whiten_advantages:
         advs = ppo.whiten(advs, masks, gcfg.adv_eps)
 
-    def policy_fn(b: int, logp: torch.Tensor):
-        return ppo.policy_loss(logp, torch.tensor(advs[b], dtype=torch.float64), weights[b], gcfg, _row(old, b, logp),
-                               _row(group.loss_masks, b, logp))
+    no_kl = replace(gcfg, beta=0.0)  # (under PPO the KL term is a reward, above)
 
-    replay = group_replay_steps(policy, group.responses, rcfg)
+    def policy_fn(b: int, logp: torch.Tensor):
+        return branch_loss(logp, _row(advs, b, logp), weights[b], no_kl, old=_row(old, b, logp),
+                           mask=_row(group.loss_masks, b, logp))
+
     if watch is not None:
         watch.label = f"group {index} "
     results, state, seconds = run_group(policy, group.prompt, group.responses, _scaled(policy_fn, scale), rcfg,

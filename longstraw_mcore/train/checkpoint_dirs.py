@@ -18,6 +18,10 @@ POINTS = ("model", "optimizer", "metadata", "published", "latest")
 _STEP = re.compile(r"^step_(\d+)$")
 
 
+CRITIC_DIR = "critic"
+"""PPO's critic checkpoints: --save DIR/critic/step_N (its model and its optimizer; train/trainer.py)."""
+
+
 def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step_{step:06d}"
 

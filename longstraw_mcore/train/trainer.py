@@ -24,6 +24,7 @@ from longstraw_mcore.data.rollouts import RolloutGroup
 from longstraw_mcore.parallel.reduce import all_reduce_max, all_reduce_sum
 from longstraw_mcore.replay.group_step import process_group
 from longstraw_mcore.replay.watch import Stopped
+from longstraw_mcore.train.checkpoint_dirs import CRITIC_DIR
 from longstraw_mcore.train.checkpoints import load_step, resume_newest, save_step
 
 
@@ -350,10 +351,6 @@ class Trainer:
         if hasattr(self.online, "restore"):
             self.online.restore(metas[-1].get("dataset"))
         return True
-
-
-CRITIC_DIR = "critic"
-"""The critic's checkpoints: --save DIR/critic/step_N (its model and its optimizer)."""
 
 
 def _torch_optimizers(opt) -> list:
