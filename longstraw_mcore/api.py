@@ -158,12 +158,12 @@ def second_models(args, cfg: RunConfig, par, policy):
     from longstraw_mcore.train.trainer import build_training
 
     critic = scorer = None
-    ccfg = critic_config(cfg, getattr(args, "critic", None))
+    ccfg = critic_config(cfg, getattr(args, "critic", None), getattr(args, "critic_adapter", None))
     if ccfg is not None:
         lr = cfg.ppo.critic_lr or cfg.train.lr
         ccfg = dataclasses.replace(ccfg, train=dataclasses.replace(ccfg.train, lr=lr))
-        critic = build_training(build_second(ccfg, par, args.critic, "critic", trainable=True, policy=policy), ccfg,
-                                par)
+        critic = build_training(build_second(ccfg, par, args.critic, "critic", trainable=True, policy=policy,
+                                             adapter_path=getattr(args, "critic_adapter", None)), ccfg, par)
     mcfg = reward_config(cfg, getattr(args, "reward_model", None), "train")
     if mcfg is not None:
         scorer = build_second(mcfg, par, args.reward_model, "reward", trainable=False)

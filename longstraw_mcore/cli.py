@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--critic", default=None, help="grpo.objective=ppo: the critic, a Hugging Face directory in "
                         "the token-classification layout with one label (Qwen3_5ForTokenClassification), or "
                         "`policy`: the policy's starting weights with a new value head")
+        sp.add_argument("--critic-adapter", default=None, help="a PEFT LoRA directory of the critic (PEFT's "
+                        "token-classification task: its value head `score` kept whole) on --critic's frozen base")
         sp.add_argument("--reward-model", default=None, help="score each response with this model (the sequence-"
                         "classification layout with one label, Qwen3_5ForSequenceClassification) in place of "
                         "the rollouts' rewards")

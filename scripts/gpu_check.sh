@@ -1,31 +1,40 @@
 #!/usr/bin/env bash
-# The GPU check: one prepared run on one CUDA GPU, at most 9 minutes (every step has its own time limit,
-# and the limits add up to 535 s), that decides whether the fast path runs, equals the twins, and how fast
+# The GPU check: one prepared run on one CUDA GPU, at most 9.5 minutes (every step has its own time limit,
+# and the limits add up to 550 s), that decides whether the fast path runs, equals the twins, and how fast
 # the Qwen3.6-27B and GLM-5.2 shapes go. Each step logs to OUT/<step>.log and leaves JSON where it measures
 # something; OUT/summary.txt lists every step with ok / FAILED / TIMEOUT and its seconds.
+#   0 warmup           tools/gpu_warmup.py: compile and autotune, once, every Triton path the later steps
+#                      take at their shapes (the DSA kernels at GLM-5.2's; fla's rule + conv forward and
+#                      backward at the 27B's, the tiny K=128 and the bench model's heads) -> warmup.json: each
+#                      path's first call (compile + autotune) and its second. Triton's cache carries them to
+#                      the later steps, whose limits are for steady-state work (the first check, 2026-12-05,
+#                      had no such step: fla's first call used a whole 50 s limit on a 2-layer model)  [150 s]
 #   1 kernels          tests/gpu: flash-linear-attention's rule and causal conv against the twins in bf16 and
 #                      float32 at the 27B head shapes (outputs, states, every gradient incl. the state ones;
 #                      the decisive check of fla's backward on Hopper, fla issue #640), torch's flash
 #                      attention against its twin, the CUDA twins against the CPU, the DSA kernels (indexer
-#                      top-k, sparse MLA forward + backward) against their twins at GLM-5.2's head shapes [90 s]
+#                      scores + selection, sparse MLA forward + backward) against their twins at GLM-5.2's
+#                      head shapes                                                                      [60 s]
 #   2 validate_fla     `longstraw validate`, tiny model with Gated DeltaNet key dim 128, float32, exact mode,
 #                      a prefix-tree group: ops.gdn=fla against ops.gdn=plain (tools/compare_validate.py;
-#                      fla's float32 dots are TF32) -> validate_fla.json                              [50 s]
+#                      fla's float32 dots are TF32) -> validate_fla.json                              [40 s]
 #   3 validate_f64     `longstraw validate`, tiny, float64, exact, on CUDA and on the CPU from the same weights,
-#                      compared to 1e-10 normwise -> validate_compare.json                            [50 s]
+#                      compared to 1e-10 normwise -> validate_compare.json                            [40 s]
 #   4 ladder           tools/bench_ladder.py: Qwen3.6-27B at full depth (64 layers, random weights, the NF4
 #                      QLoRA r16 base of configs/published/qwen3.6-27b-qlora-2m-8xh20-96gb.yaml at tp=1,
 #                      defaults otherwise: fla, flash attention, batched branches), R=1K, G=8: detached over
-#                      P=32K..2M while each next point is predicted to fit 120 s, exact over 16K..256K within
-#                      45 s: tokens/s and TFLOP/s per phase against 989, peak memory against the plan, the
-#                      planner's largest fitting prompt -> ladder_27b.json                            [190 s]
+#                      P=32K..2M while each next point is predicted to fit 80 s, exact over 16K..256K within
+#                      30 s: tokens/s and TFLOP/s per phase against 989, peak memory against the plan, the
+#                      planner's largest fitting prompt -> ladder_27b.json                            [150 s]
 #   5 vs_transformers  side by side with transformers on the same weights (transformers with fla: its own fast
-#                      path), configs/bench-hybrid-256.yaml, bf16, P=16K, R=1K, G=8 -> vs_transformers.json [75 s]
+#                      path), configs/bench-hybrid-256.yaml with Gated DeltaNet key and value dims 128 (fla's
+#                      backward is refused on Hopper at key dim <= 64 with this Triton, fla issue #640; at 128
+#                      both sides run it), bf16, P=16K, R=1K, G=8 -> vs_transformers.json             [50 s]
 #   6 glm              GLM's DSA kernels: `longstraw validate` on the tiny GLM (4 layers, float32, exact, a
 #                      prefix-tree group) ops.dsa=triton against ops.dsa=plain -> validate_glm.json; then
 #                      tools/bench_ladder.py at GLM-5.2's width (4 layers: 3 dense + 1 MoE of 16 experts, bf16,
-#                      the kernels), R=1K, G=8, detached over P=8K..128K within 35 s, exact 8K..32K within
-#                      15 s: tokens/s and TFLOP/s per phase, peak against the plan -> ladder_glm.json   [80 s]
+#                      the kernels), R=1K, G=8, detached over P=8K..128K within 25 s, exact 8K..32K within
+#                      10 s: tokens/s and TFLOP/s per phase, peak against the plan -> ladder_glm.json   [60 s]
 # Usage:
 #   bash scripts/gpu_check.sh [OUT]                  on the CUDA machine (OUT defaults to $OUT, or runs/gpu_check)
 #   bash scripts/gpu_check.sh --all [OUT]            also the earlier lease's steps after these (smoke, train with a
@@ -103,9 +112,16 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torc
       "triton", md.version("triton"), "fla-core", md.version("fla-core") if importlib.util.find_spec("fla") else None,
       "transformers", md.version("transformers"))' | tee "$out/versions.txt"
 
+# 0 warmup: every Triton path of the later steps compiled and autotuned once (the rehearsal: tiny, interpreted)
+if [ "$dev" = cuda ]; then
+  step warmup 150 $py tools/gpu_warmup.py --out "$out/warmup.json"
+else
+  step warmup 30 $interp $py tools/gpu_warmup.py --tiny --device cpu --out "$out/warmup.json"
+fi
+
 # 1 kernels
 if [ "$dev" = cuda ]; then
-  step kernels 90 $py -m pytest -q -s -p no:cacheprovider tests/gpu tests/unit/test_cpu_compat.py \
+  step kernels 60 $py -m pytest -q -s -p no:cacheprovider tests/gpu tests/unit/test_cpu_compat.py \
     tests/unit/test_attention_entry.py tests/unit/test_block_attention.py
 else
   step kernels 90 $py -m pytest -q -s -p no:cacheprovider tests/unit/test_fla_interpreter.py \
@@ -142,7 +158,7 @@ assert all(set(k[op]) == {sys.argv[2]} for op in sys.argv[3:]), k' "$work/${name
 }
 export -f kernel_vs_twin  # (the step functions run in child shells)
 validate_fla() { kernel_vs_twin fla "$work/hf32" "$work/tree.jsonl" 64 5e-3 ops.gdn fla gdn_rule gdn_conv; }
-step validate_fla 50 validate_fla
+step validate_fla 40 validate_fla
 
 # 3 validate_f64: CUDA against the CPU (the rehearsal: the CPU run alone)
 $py tools/make_hf_model.py "$work/hf" --config $tiny model.dtype=float64 > /dev/null
@@ -158,13 +174,13 @@ validate_f64() {
     && $py tools/compare_validate.py "$work/validate_cuda" "$work/validate_cpu" --tol 1e-10 --tol-own 1e-6 \
       --json "$out/validate_compare.json"
 }
-step validate_f64 50 validate_f64
+step validate_f64 40 validate_f64
 
 # 4 ladder: the 27B shape at full depth (the rehearsal: the tiny model, fla under the interpreter)
 if [ "$dev" = cuda ]; then
-  step ladder 190 $py tools/bench_ladder.py --config configs/published/qwen3.6-27b-qlora-2m-8xh20-96gb.yaml \
+  step ladder 150 $py tools/bench_ladder.py --config configs/published/qwen3.6-27b-qlora-2m-8xh20-96gb.yaml \
     --prompt-lens 32768,131072,524288,1048576,2097152 --response-len 1024 --group-size 8 \
-      --budget-s 120 --exact-prompt-lens 16384,65536,262144 --exact-budget-s 45 --peak-tflops 989.4 \
+      --budget-s 80 --exact-prompt-lens 16384,65536,262144 --exact-budget-s 30 --peak-tflops 989.4 \
     --out "$out/ladder_27b.json" parallel.tp=1 device=cuda
 else
   step ladder 75 $interp $py tools/bench_ladder.py --config $tiny --prompt-lens 64,128,100000 \
@@ -175,9 +191,9 @@ fi
 
 # 5 vs_transformers: the side by side (the rehearsal: tiny, the twins)
 if [ "$dev" = cuda ]; then
-  step vs_transformers 75 $py tools/bench_replay.py --vs-transformers --config configs/bench-hybrid-256.yaml \
+  step vs_transformers 50 $py tools/bench_replay.py --vs-transformers --config configs/bench-hybrid-256.yaml \
     --prompt-lens 16384 --response-lens 1024 --group-sizes 8 --hf-full-copies 1 --out "$out/vs_transformers.json" \
-    device=cuda model.dtype=bfloat16
+    device=cuda model.dtype=bfloat16 model.linear_key_head_dim=128 model.linear_value_head_dim=128
 else
   step vs_transformers 75 $py tools/bench_replay.py --vs-transformers --config configs/bench-hybrid-256.yaml \
     --prompt-lens 256 --response-lens 16 --group-sizes 2 --out "$out/vs_transformers.json" device=cpu
@@ -192,7 +208,7 @@ glm_check() {
     || return 1
   if [ "$dev" = cuda ]; then
     $py tools/bench_ladder.py --config configs/glm-5.2.yaml --prompt-lens 8192,32768,131072 --response-len 1024 \
-      --group-size 8 --budget-s 35 --exact-prompt-lens 8192,32768 --exact-budget-s 15 --peak-tflops 989.4 \
+      --group-size 8 --budget-s 25 --exact-prompt-lens 8192,32768 --exact-budget-s 10 --peak-tflops 989.4 \
       --out "$out/ladder_glm.json" model.num_layers=4 model.n_routed_experts=16 parallel.ep=1 device=cuda
   else
     $interp $py tools/bench_ladder.py --config configs/glm-5.2-tiny.yaml --prompt-lens 48,96 --response-len 4 \
@@ -200,7 +216,7 @@ glm_check() {
       --out "$out/ladder_glm.json" model.num_layers=4 model.dtype=float32 ops.dsa=triton device=cpu
   fi
 }
-step glm 80 glm_check
+step glm 60 glm_check
 
 if [ "$all" = 1 ]; then  # the earlier lease's steps (bench_results/h200_gpu_check_20261204)
   step smoke 120 $lt smoke --config $tiny --steps 2 --seq-len 256 device=$dev model.dtype=bfloat16

@@ -26,9 +26,10 @@ def rel(a, b) -> float:
     return float((a - b).abs().max() / a.abs().max().clamp_min(1e-30)) if a.numel() else 0.0
 
 
-def indexer_case(B, T, S, HI, DI, k, counted_frac=None, seed=0, zeros=False):
+def indexer_case(B, T, S, HI, DI, k, counted_frac=None, seed=0, zeros=False, block=0):
     """Twin vs kernel: the same rows where valid (and validity), the scores, and -- where the twin's
-    selection includes invalid slots (fewer visible keys than k) -- the same rows there too."""
+    selection includes invalid slots (fewer visible keys than k) -- the same rows there too. `block`: the
+    kernel's key rows per selection step (0: its default, one step here); the twin's are 5."""
     g = torch.Generator().manual_seed(seed)
     q, key = torch.randn(B, T, HI, DI, generator=g), torch.randn(B, S, DI, generator=g)
     w = torch.randn(B, T, HI, generator=g)
@@ -38,7 +39,7 @@ def indexer_case(B, T, S, HI, DI, k, counted_frac=None, seed=0, zeros=False):
     k_pos = torch.arange(S)
     counted = None if counted_frac is None else torch.rand(S, generator=g) < counted_frac
     r1, v1 = dsa.indexer_topk(q, key, w, q_pos, k_pos, k, 5, counted)
-    r2, v2 = kidx.indexer_topk(q, key, w, q_pos, k_pos, k, counted=counted)
+    r2, v2 = kidx.indexer_topk(q, key, w, q_pos, k_pos, k, block, counted)
     ok1, ok2 = v1 > NEG, v2 > NEG
     return {"shape_equal": list(r1.shape) == list(r2.shape), "valid_equal": bool((ok1 == ok2).all()),
             "rows_equal": bool((r1[ok1] == r2[ok1]).all()), "all_rows_equal": bool((r1 == r2).all()),
@@ -151,7 +152,7 @@ def indexer_parts_case(B=2, T=9, S0=40, S1=9, HI=2, DI=16, k=8, seed=5):
     head, tail = torch.randn(1, S0, DI, generator=g), torch.randn(B, S1, DI, generator=g)
     q_pos, k_pos = torch.arange(S0, S0 + T), torch.arange(S0 + S1)
     r1, v1 = dsa.indexer_topk(q, dsa.joined_rows((head, tail)), w, q_pos, k_pos, k, 16)
-    r2, v2 = kidx.indexer_topk(q, (head, tail), w, q_pos, k_pos, k)
+    r2, v2 = kidx.indexer_topk(q, (head, tail), w, q_pos, k_pos, k, 30)  # a step across the parts
     ok = v1 > NEG
     return {"rows_equal": bool((r1 == r2).all()), "valid_equal": bool((ok == (v2 > NEG)).all()),
             "scores": rel(v1[ok], v2[ok]), "tail_chosen": int((r1[ok] >= S0).sum())}
@@ -206,9 +207,9 @@ def dispatch_case():
 def main():
     checks = {
         "indexer_dense": indexer_case(1, 20, 20, 2, 16, 32),            # k above the keys: every key chosen
-        "indexer_sparse": indexer_case(2, 20, 70, 3, 24, 8),            # top-k well below the keys
+        "indexer_sparse": indexer_case(2, 20, 70, 3, 24, 8, block=23),  # top-k well below the keys, 4 steps
         "indexer_ties": indexer_case(1, 18, 40, 2, 16, 16, zeros=True),  # exact-zero scores, broken by position
-        "indexer_counted": indexer_case(1, 17, 50, 2, 16, 8, counted_frac=0.5),  # a CP rank's rows
+        "indexer_counted": indexer_case(1, 17, 50, 2, 16, 8, counted_frac=0.5, block=9),  # a CP rank's rows
         "mla_partial_exact": mla_partial_case(2, 5, 40, 20, 16, 8, 24, 20),  # 2 head blocks, R padded
         "mla_partial_detached": mla_partial_case(1, 4, 30, 3, 8, 8, 16, 8, latent_grad=False),
         "mla_partial_dense": mla_partial_case(1, 6, 6, 4, 8, 8, 16, 6),     # k = every key

@@ -104,6 +104,7 @@ def branch_outputs(policy, critic, prompt, resp, mode, caches=None):
     response against copies of the no-grad prompt caches (detached)."""
     from longstraw_mcore.bench.vs_transformers import assigning_linear_cache
 
+    critic = critic.get_base_model() if hasattr(critic, "get_base_model") else critic  # (a PEFT critic: in place)
     if mode == "exact":
         ids = torch.tensor([prompt + resp])
         logits = policy(input_ids=ids).logits[0, len(prompt) - 1:-1]
@@ -176,9 +177,38 @@ def grads(model) -> dict:
     return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
+def peft_critic(critic, path, targets: list[str], r: int, alpha: float, seed: int):
+    """`peft` LoRA on a copy of the transformers critic as PEFT's token-classification task builds it (its
+    `score` kept whole: modules_to_save), A and B random (B at 0.1 of PEFT's non-zero init) and the kept
+    score moved off the base's (so a run that ignored it would differ), saved to `path` by PEFT itself."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(copy.deepcopy(critic), LoraConfig(task_type="TOKEN_CLS", r=r, lora_alpha=alpha,
+                                                             target_modules=targets, lora_dropout=0.0,
+                                                             init_lora_weights=False))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.data = p.data.to(torch.float64) * (0.1 if "lora_B" in n else 1.0)
+            elif "modules_to_save" in n:
+                p.mul_(-0.7).add_(0.05)
+    model.eval()
+    model.save_pretrained(str(path))
+    return model
+
+
+def peft_grads(model) -> dict:
+    """A PEFT model's trainable gradients under the names PEFT saves them by (and `validate` dumps them by)."""
+    return {k.replace(".default", "").replace("modules_to_save.", ""): p.grad.detach().clone()
+            for k, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+
 class GlmCritic(torch.nn.Module):
     """transformers' GlmMoeDsaModel with `score` = Linear(hidden, 1) on its final norm's output: the
     token-classification layout with one label under GLM's names (transformers has no such class)."""
+
+    base_model_prefix = "model"  # (what PEFT asks of a model it wraps)
 
     def __init__(self, cfg, seed: int):
         from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as M

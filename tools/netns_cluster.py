@@ -18,6 +18,10 @@ removes DIR; `leftovers()` says what would remain (the tests assert it is nothin
 Needs root, iproute2, util-linux (unshare, nsenter), Slurm (slurmctld, slurmd, the clients) and munge;
 `missing()` names what is absent. Hard faults for the tests: `kill_host_procs` (SIGKILL a host's
 processes matching a pattern) and `cut_link` (the host's link down).
+
+Two traps, measured here: `ip netns exec` remounts /sys for the namespace, and slurmd then finds no cgroup
+mount (it fails to start), so commands enter a host with `nsenter` on its holder process instead; and
+`nsenter -m` starts in the mount namespace's root, not the caller's directory, so `argv` passes `--wd`.
 """
 
 from __future__ import annotations

@@ -30,6 +30,9 @@ class AdapterSet(torch.nn.Module):
         self.cfg, self.sites, self.switch = cfg, sites, Switch()
         self.base_bytes = None  # the quantized base's bytes on this rank (adapter.base_dtype nf4 / fp8)
         self.lora = torch.nn.ModuleDict()
+        # modules that train whole beside the adapters (PEFT's modules_to_save): a critic's value head, on the
+        # last pipeline stage, {Hugging Face name: parameter} (not registered here: they stay the model's)
+        self.saved: dict[str, torch.nn.Parameter] = {}
 
     def items(self):
         return ((m.name, m) for m in self.lora.values())
@@ -44,7 +47,7 @@ class AdapterSet(torch.nn.Module):
             self.switch.on = was
 
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        return sum(p.numel() for p in self.parameters()) + sum(p.numel() for p in self.saved.values())
 
 
 def adapter_set(model) -> AdapterSet | None:
@@ -73,9 +76,12 @@ def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
 
 
 def attach(model, sites: list[Site], cfg: AdapterConfig, parallel, seed: int, canonical: dict | None = None,
-           padded_vocab: int | None = None) -> AdapterSet:
+           padded_vocab: int | None = None, saved: dict | None = None) -> AdapterSet:
     """Freeze `model`'s base and add the adapters of `cfg`'s targets that live on this rank. `canonical`:
-    {name: (A [r, in], B [out, r])} whole tensors (a PEFT directory's), or None for a new adapter."""
+    {name: (A [r, in], B [out, r])} whole tensors (a PEFT directory's), or None for a new adapter. A model
+    with a scalar head (a critic) keeps that head trainable (`AdapterSet.saved`); `saved`: its whole
+    tensors from a PEFT directory ({"score.weight": ...}), or None to keep the model's."""
+    from longstraw_mcore.checkpoint.heads import head_of_model
     from longstraw_mcore.models.language_model import stage_range
 
     targets = set(cfg.resolved_targets({s.target: s.shape for s in sites}))
@@ -99,6 +105,10 @@ def attach(model, sites: list[Site], cfg: AdapterConfig, parallel, seed: int, ca
                           f"model.num_key_value_heads={m.num_key_value_heads} (KV groups): not supported yet; "
                           "leave them out of adapter.targets or use parallel.tp <= the KV heads")
     aset = AdapterSet(cfg, {s.name: s for s in chosen})
+    if head_of_model(model) != "lm" and parallel.is_last_stage:
+        for n, p in model.output_layer.named_parameters():
+            p.requires_grad_(True)
+            aset.saved[f"score.{n}"] = p
     modules = dict(model.named_modules())
     if cfg.base_dtype != "bfloat16":
         aset.base_bytes = _quantize_base(model, modules, sites, cfg.base_dtype, layers, per_rank, ep_rank, parallel)
@@ -136,6 +146,8 @@ def attach(model, sites: list[Site], cfg: AdapterConfig, parallel, seed: int, ca
         linear.register_forward_hook(adapter_hook(slots, pieces[path]))
     aset.parallel, aset.padded_vocab = parallel, padded_vocab
     model.adapters = aset
+    if saved:
+        load_saved(aset, saved)
     return aset
 
 
@@ -155,8 +167,18 @@ def local_factors(s: Site, A: torch.Tensor, B: torch.Tensor, tp_rank: int, tp: i
 
 
 @torch.no_grad()
-def load_canonical(aset: AdapterSet, canonical: dict) -> None:
-    """Overwrite this rank's adapter shards with whole tensors ({name: (A, B)}, e.g. a checkpoint's)."""
+def load_saved(aset: AdapterSet, saved: dict) -> None:
+    """Overwrite the modules that train whole (a critic's value head) with `saved`'s tensors, where this rank
+    holds them; their names were checked against the model when the directory was read."""
+    for name, p in aset.saved.items():
+        if name in saved:
+            p.copy_(saved[name].reshape(p.shape))
+
+
+@torch.no_grad()
+def load_canonical(aset: AdapterSet, canonical: dict, saved: dict | None = None) -> None:
+    """Overwrite this rank's adapter shards with whole tensors ({name: (A, B)}, e.g. a checkpoint's), and
+    the modules that train whole with `saved`'s."""
     par = aset.parallel
     missing = [n for n, _ in aset.items() if n not in canonical]
     if missing:
@@ -168,6 +190,8 @@ def load_canonical(aset: AdapterSet, canonical: dict) -> None:
         lora.A.copy_(A)
         for k, b in parts.items():
             lora.B[k].copy_(b)
+    if saved:
+        load_saved(aset, saved)
 
 
 def _quantize_base(model, modules, sites, kind, layers, per_rank, ep_rank, parallel) -> int:

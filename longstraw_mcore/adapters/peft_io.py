@@ -4,7 +4,9 @@ out, and the whole (canonical) adapter tensors gathered from the ranks that hold
 PEFT's names: `base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r], the
 module named as in the Hugging Face model (`model.layers.3.mlp.gate_proj`; GLM's routed experts as
 stored, `model.layers.3.mlp.experts.7.gate_proj`). Only plain LoRA is read: no DoRA, rsLoRA, bias,
-per-module rank or alpha patterns, fan_in_fan_out; each is refused by name.
+per-module rank or alpha patterns, fan_in_fan_out; each is refused by name. A critic's directory (PEFT's
+token-classification task) also keeps its value head whole: `base_model.model.score.weight` / `.bias`
+(`modules_to_save`), read and written beside the factors.
 """
 
 from __future__ import annotations
@@ -21,12 +23,25 @@ from longstraw_mcore.config import AdapterConfig, ConfigError
 
 PREFIX = "base_model.model."
 _REFUSED = {"use_dora": False, "use_rslora": False, "bias": "none", "fan_in_fan_out": False}
+CRITIC_SAVED = "score"
+"""The module a critic's adapter directory keeps whole (PEFT's token-classification task: modules_to_save),
+as `base_model.model.score.weight` / `.bias`."""
 
 
-def read_peft(path: str | Path, sites: list[Site], base: AdapterConfig) -> tuple[AdapterConfig, dict]:
+CRITIC_SAVED_NAMES = (f"{CRITIC_SAVED}.weight", f"{CRITIC_SAVED}.bias")
+
+
+def saved_shapes(m) -> dict[str, tuple[int, ...]]:
+    """The whole tensors beside a critic's adapters (model config `m`): its token-value head's."""
+    return dict(zip(CRITIC_SAVED_NAMES, ((1, m.hidden_size), (1,))))
+
+
+def read_peft(path: str | Path, sites: list[Site], base: AdapterConfig,
+              saved=()) -> tuple[AdapterConfig, dict]:
     """A PEFT directory -> (the adapter section it describes, {module: (A, B)} in float64). `base`: the
     run's section (its base_dtype and prompt are kept; rank, alpha and targets come from the directory).
-    Raises ConfigError naming what does not match the model, before any model work."""
+    `saved`: names of whole tensors a critic's directory may hold beside the factors (`saved_shapes`; read
+    them with `read_saved`). Raises ConfigError naming what does not match the model, before any model work."""
     from safetensors import safe_open
 
     d = Path(path)
@@ -49,6 +64,8 @@ def read_peft(path: str | Path, sites: list[Site], base: AdapterConfig) -> tuple
     canonical: dict[str, list] = {}
     with safe_open(str(st), framework="pt") as fh:
         for key in fh.keys():
+            if saved and key[len(PREFIX):] in saved:
+                continue
             if not key.startswith(PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
                 raise ConfigError(f"{st}: tensor {key!r} is not a LoRA factor ({PREFIX}<module>.lora_A/B.weight)")
             name, factor = _module_and_factor(key)
@@ -78,21 +95,45 @@ def read_peft(path: str | Path, sites: list[Site], base: AdapterConfig) -> tuple
     return cfg, {n: (A, B) for n, (A, B) in canonical.items()}
 
 
-def peft_config(cfg: AdapterConfig, targets: list[str], base_model: str | None) -> dict:
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-            "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "modules_to_save": None,
-            "base_model_name_or_path": base_model, "inference_mode": True}
+def read_saved(path: str | Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """The whole tensors `shapes` names ({"score.weight": (1, H), ...}) from a PEFT directory, float64; those
+    it lacks are left out (the model keeps its own). ConfigError on a shape that does not match."""
+    from safetensors import safe_open
+
+    st = Path(path) / "adapter_model.safetensors"
+    out = {}
+    with safe_open(str(st), framework="pt") as fh:
+        for key in fh.keys():
+            name = key[len(PREFIX):]
+            if key.startswith(PREFIX) and name in shapes:
+                t = fh.get_tensor(key)
+                if tuple(t.shape) != tuple(shapes[name]):
+                    raise ConfigError(f"{st}: {key} is {list(t.shape)}; the critic's {name} is {list(shapes[name])}")
+                out[name] = t.to(torch.float64)
+    return out
+
+
+def peft_config(cfg: AdapterConfig, targets: list[str], base_model: str | None, saved: bool = False) -> dict:
+    """adapter_config.json; `saved`: a critic's (PEFT's token-classification task, its `score` kept whole)."""
+    return {"peft_type": "LORA", "task_type": "TOKEN_CLS" if saved else "CAUSAL_LM", "r": cfg.rank,
+            "lora_alpha": cfg.alpha, "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+            "modules_to_save": [CRITIC_SAVED] if saved else None, "base_model_name_or_path": base_model,
+            "inference_mode": True}
 
 
 def write_peft(path: str | Path, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], cfg: AdapterConfig,
-               targets: list[str], base_model: str | None = None) -> Path:
-    """Write a PEFT directory atomically (a temporary sibling renamed into place)."""
+               targets: list[str], base_model: str | None = None, saved: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a PEFT directory atomically (a temporary sibling renamed into place); `saved`: the whole tensors
+    beside the factors (a critic's value head: {"score.weight": ...})."""
     from safetensors.torch import save_file
 
     def fill(tmp: Path) -> None:
-        save_file(_flat(tensors), str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (tmp / "adapter_config.json").write_text(json.dumps(peft_config(cfg, targets, base_model), indent=2))
+        flat = _flat(tensors)
+        flat.update({PREFIX + n: t.contiguous() for n, t in (saved or {}).items()})
+        save_file(flat, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(peft_config(cfg, targets, base_model, bool(saved)),
+                                                            indent=2))
 
     return write_dir_atomically(path, fill, error=ConfigError)
 
@@ -122,19 +163,42 @@ def _whole(t: torch.Tensor, dim: int, tp_group) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
+def _value(p, grads: bool) -> torch.Tensor:
+    """A parameter's value, or its gradient (DDP's main_grad where it has one; zeros where none came)."""
+    g = p.main_grad if grads and hasattr(p, "main_grad") else (p.grad if grads else p.detach())
+    return torch.zeros_like(p) if g is None else g.detach()
+
+
+def _on_rank0(mine: dict) -> dict | None:
+    """Every rank's `mine` merged on global rank 0 (None elsewhere). Collective."""
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, every, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    out: dict = {}
+    for d in every:
+        out.update(d)
+    return out
+
+
+def gather_saved(aset, parallel, grads: bool = False) -> dict[str, torch.Tensor] | None:
+    """The modules that train whole beside the adapters (`AdapterSet.saved`: a critic's value head, held
+    whole by every TP rank of the last stage), or their gradients, on global rank 0 (None elsewhere).
+    Collective over the world."""
+    own = parallel.pgs.tp.rank() == 0 and parallel.pgs.dp_cp.rank() == 0
+    return _on_rank0({n: _value(p, grads).cpu() for n, p in aset.saved.items()} if own else {})
+
+
 def gather_canonical(aset, parallel, grads: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
     """Every adapter's whole A and B (or their gradients) on global rank 0 (None elsewhere). Collective
     over the world: every rank calls it."""
-    import torch.distributed as dist
-
     tp_group = parallel.pgs.tp
     mine = {}
     for name, lora in sorted(aset.items()):
         site = aset.sites[name]
-
-        def val(p):
-            g = p.main_grad if grads and hasattr(p, "main_grad") else (p.grad if grads else p.detach())
-            return torch.zeros_like(p) if g is None else g.detach()
+        val = lambda p: _value(p, grads)  # noqa: E731
 
         A = val(lora.A)
         if site.kind == "row":
@@ -152,13 +216,9 @@ def gather_canonical(aset, parallel, grads: bool = False) -> dict[str, tuple[tor
             tp_group.rank() == 0 and parallel.pgs.dp_cp.rank() == 0
         if owner:
             mine[name] = (A.cpu(), B)
-    every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, every, dst=0)
-    if dist.get_rank() != 0:
+    out = _on_rank0(mine)
+    if out is None:
         return None
-    out: dict = {}
-    for d in every:
-        out.update(d)
     order = [s for s in aset.sites if s in out]
     return {n: out[n] for n in order}
 
@@ -170,15 +230,17 @@ def dump_grads(aset, path: str | Path, log=print) -> None:
     from safetensors.torch import save_file
 
     grads = gather_canonical(aset, aset.parallel, grads=True)
+    whole = gather_saved(aset, aset.parallel, grads=True)
     if dist.get_rank() != 0:
         return
     flat = _flat(grads)
+    flat.update({PREFIX + n: t.contiguous() for n, t in whole.items()})
     dst = Path(path)
     tmp = dst.with_name(f".{dst.name}.tmp")
     save_file(flat, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, dst)
-    log(f"[validate] wrote the gradients of {len(grads)} adapters ({sum(t.numel() for t in flat.values()):,} values) "
-        f"to {dst} under PEFT's names")
+    log(f"[validate] wrote the gradients of {len(grads)} adapters" + (f" and {', '.join(whole)}" if whole else "")
+        + f" ({sum(t.numel() for t in flat.values()):,} values) to {dst} under PEFT's names")
 
 
 def export_peft(src: str | Path, dst: str | Path, base_model: str | None = None, log=print) -> Path:
@@ -188,12 +250,16 @@ def export_peft(src: str | Path, dst: str | Path, base_model: str | None = None,
     s = Path(src)
     raw = json.loads((s / "adapter_config.json").read_text())
     tensors = load_file(str(s / "adapter_model.safetensors"))
-    pairs = {}
+    pairs, whole = {}, {}
     for key, t in tensors.items():
+        if not key.endswith((".lora_A.weight", ".lora_B.weight")):  # a critic's value head, kept whole
+            whole[key[len(PREFIX):]] = t
+            continue
         name, factor = _module_and_factor(key)
         pairs.setdefault(name, [None, None])[factor] = t
     cfg = AdapterConfig(rank=raw["r"], alpha=float(raw["lora_alpha"]), targets=list(raw["target_modules"]))
     out = write_peft(dst, {k: tuple(v) for k, v in pairs.items()}, cfg, list(raw["target_modules"]),
-                     base_model or raw.get("base_model_name_or_path"))
-    log(f"[export] {out}: {len(pairs)} adapters (r={cfg.rank}, alpha={cfg.alpha:g})")
+                     base_model or raw.get("base_model_name_or_path"), saved=whole or None)
+    log(f"[export] {out}: {len(pairs)} adapters (r={cfg.rank}, alpha={cfg.alpha:g})"
+        + (f" and {', '.join(whole)}" if whole else ""))
     return out

@@ -4,7 +4,9 @@ the policy's layout, dtype and replay settings. `critic_config` / `reward_config
 and refuse a bad pairing before any model work (exit 2, one line); `build_second` builds and loads one.
 `--critic policy` starts the critic from the policy's own starting weights with a new value head
 (weight ~ N(0, 0.02), bias 0), for runs whose policy has no trained critic beside it (the demos); a
-Megatron checkpoint of a critic (a PPO run's --save DIR/critic/step_N) loads at any layout.
+Megatron checkpoint of a critic (a PPO run's --save DIR/critic/step_N) loads at any layout. The critic
+may train adapters (`critic_adapter.rank > 0`: LoRA / QLoRA, its value head trained whole as PEFT's
+token-classification task keeps it), new or from a PEFT directory (`--critic-adapter DIR`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,15 @@ def megatron_dir(path: str) -> bool:
 
 def _second_config(cfg, path: str, head: str, flag: str):
     if megatron_dir(path):
+        from pathlib import Path
+
         from longstraw_mcore.checkpoint.dist_ckpt import read_checkpoint_meta
+        from longstraw_mcore.train.checkpoints import ADAPTER_DIR
 
         m, meta = read_checkpoint_meta(path)
+        if (Path(path) / ADAPTER_DIR).is_dir():
+            raise ConfigError(f"{flag} {path}: a checkpoint of adapters alone; give their base as {flag} and the "
+                              f"adapters as {flag}-adapter {Path(path) / ADAPTER_DIR}")
         if meta.get("head", "lm") != head:
             raise ConfigError(f"{flag} {path}: a Megatron checkpoint with a {meta.get('head', 'lm')!r} head; "
                               f"{flag} needs a {head!r} one (a PPO run's --save DIR/critic/step_N)")
@@ -51,11 +59,33 @@ def _second_config(cfg, path: str, head: str, flag: str):
         raise ConfigError(f"{flag} {path}: {e}") from None
     from longstraw_mcore.config import AdapterConfig
 
-    return dataclasses.replace(cfg, model=m, adapter=AdapterConfig())
+    adapter = cfg.critic_adapter.as_adapter() if head == "token_value" else AdapterConfig()
+    return dataclasses.replace(cfg, model=m, adapter=adapter)
 
 
-def critic_config(cfg, path: str | None):
-    """The critic's run config (None without --critic), checked against the objective and the policy."""
+def critic_config(cfg, path: str | None, adapter_path: str | None = None):
+    """The critic's run config (None without --critic), checked against the objective and the policy. Its
+    `adapter` section is the run's `critic_adapter` (LoRA / QLoRA on the critic, its value head trained whole),
+    or `adapter_path`'s (`--critic-adapter`: a PEFT directory of a critic, checked here against the model)."""
+    if adapter_path is not None and path is None:
+        raise ConfigError(f"--critic-adapter {adapter_path}: needs --critic (the base the adapter sits on)")
+    if cfg.critic_adapter.enabled and cfg.grpo.objective != "ppo":
+        raise ConfigError(f"critic_adapter.rank={cfg.critic_adapter.rank}: adapters on a critic, which only "
+                          f"grpo.objective=ppo uses (the objective is {cfg.grpo.objective})")
+    ccfg = _critic_config(cfg, path)
+    if ccfg is None or adapter_path is None:
+        return ccfg
+    from longstraw_mcore.adapters.peft_io import CRITIC_SAVED_NAMES, read_peft, read_saved, saved_shapes
+    from longstraw_mcore.families import get_family
+
+    sites = get_family(ccfg.model.family).checkpoint.adapter_sites(ccfg.model)
+    adapter, _ = read_peft(adapter_path, sites, ccfg.adapter, saved=CRITIC_SAVED_NAMES)
+    adapter.check_against(ccfg.model.projection_shapes(), ccfg.model.family)
+    read_saved(adapter_path, saved_shapes(ccfg.model))  # (its value head's shapes, checked before model work)
+    return dataclasses.replace(ccfg, adapter=adapter)
+
+
+def _critic_config(cfg, path: str | None):
     if cfg.grpo.objective == "ppo" and path is None:
         raise ConfigError("grpo.objective=ppo needs a critic: --critic DIR (a token-classification model with one "
                           "label, e.g. Qwen3_5ForTokenClassification; the policy's weights with a new head will do)")
@@ -65,9 +95,7 @@ def critic_config(cfg, path: str | None):
         raise ConfigError(f"--critic {path}: a critic is used only by grpo.objective=ppo (the objective is "
                           f"{cfg.grpo.objective})")
     if path == FROM_POLICY:
-        from longstraw_mcore.config import AdapterConfig
-
-        return dataclasses.replace(cfg, adapter=AdapterConfig())
+        return dataclasses.replace(cfg, adapter=cfg.critic_adapter.as_adapter())
     return _second_config(cfg, path, "token_value", "--critic")
 
 
@@ -86,9 +114,12 @@ def reward_config(cfg, path: str | None, cmd: str = "validate"):
     return _second_config(cfg, path, "sequence_score", "--reward-model")
 
 
-def build_second(cfg2, par, path: str, what: str, trainable: bool, policy=None):
+def build_second(cfg2, par, path: str, what: str, trainable: bool, policy=None, adapter_path: str | None = None):
     """This rank's part of the critic / reward model, loaded from `path` (or, for `--critic policy`, from
-    `policy`'s weights: every tensor but the output layer, at the same layout)."""
+    `policy`'s weights: every tensor but the output layer, at the same layout). A trainable model whose
+    config has adapters (the critic's `critic_adapter`) gets them: its base frozen (quantized under
+    base_dtype nf4 / fp8), its value head trained whole; new (B = 0) or `adapter_path`'s (--critic-adapter,
+    its value head included where the directory holds one)."""
     from longstraw_mcore.checkpoint.convert import load_hf_into_model
     from longstraw_mcore.commands.common import rank0_print
     from longstraw_mcore.families import get_family
@@ -111,7 +142,29 @@ def build_second(cfg2, par, path: str, what: str, trainable: bool, policy=None):
         model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
+    elif cfg2.adapter.enabled:
+        _attach_critic_adapters(cfg2, par, model, what, adapter_path)
     return model
+
+
+def _attach_critic_adapters(cfg2, par, model, what: str, adapter_path: str | None) -> None:
+    from longstraw_mcore.adapters.attach import attach
+    from longstraw_mcore.adapters.peft_io import CRITIC_SAVED_NAMES, read_peft, read_saved, saved_shapes
+    from longstraw_mcore.commands.common import rank0_print
+    from longstraw_mcore.families import get_family
+
+    sites = get_family(cfg2.model.family).checkpoint.adapter_sites(cfg2.model)
+    canonical = whole = None
+    if adapter_path is not None:
+        _, canonical = read_peft(adapter_path, sites, cfg2.adapter, saved=CRITIC_SAVED_NAMES)
+        whole = read_saved(adapter_path, saved_shapes(cfg2.model))
+    # seed + 1: the critic's new A factors are not the policy's
+    aset = attach(model, sites, cfg2.adapter, par, cfg2.seed + 1, canonical, None, whole)
+    a = cfg2.adapter
+    rank0_print(f"[{what}] LoRA r={a.rank} alpha={a.alpha:g} base {a.base_dtype} on "
+                f"{', '.join(a.resolved_targets(cfg2.model.projection_shapes()))} "
+                f"({'read from ' + adapter_path if adapter_path else 'new: B = 0'}); the value head trains whole; "
+                f"rank 0 holds {aset.num_params():,} trainable parameters")
 
 
 def _copy_trunk(policy, critic) -> None:

@@ -62,7 +62,7 @@ def run(args) -> int:
         check_groups(cfg, groups, has_ref_model=bool(args.ref_hf or args.ref_load))
     from longstraw_mcore.commands.critic import critic_config, reward_config
 
-    critic_config(cfg, args.critic)  # (refused here, before any model work)
+    critic_config(cfg, args.critic, args.critic_adapter)  # (refused here, before any model work)
     reward_config(cfg, args.reward_model, "train")
     try:
         return _checked(args, cfg, adapter, groups, online, user)

@@ -29,7 +29,8 @@ def run(args) -> int:
     check_groups(cfg, groups, has_ref_model=bool(args.ref_hf or args.ref_load))
     from longstraw_mcore.commands.critic import critic_config, reward_config
 
-    ccfg, mcfg = critic_config(cfg, args.critic), reward_config(cfg, args.reward_model)
+    ccfg = critic_config(cfg, args.critic, args.critic_adapter)
+    mcfg = reward_config(cfg, args.reward_model)
     check_fits(cfg, groups, launch_world_size(), args.force, "validate")
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -68,8 +69,8 @@ def run(args) -> int:
     if ccfg is not None:
         from longstraw_mcore.commands.critic import build_second
 
-        critic = wrap_ddp_no_optimizer(build_second(ccfg, par, args.critic, "critic", trainable=True, policy=model),
-                                       ccfg, par)
+        critic = wrap_ddp_no_optimizer(build_second(ccfg, par, args.critic, "critic", trainable=True, policy=model,
+                                                    adapter_path=args.critic_adapter), ccfg, par)
         critic.zero_grad_buffer()
     dp_rank, n = par.pgs.dp.rank(), len(groups)
     ddp.zero_grad_buffer()
@@ -126,10 +127,16 @@ def run(args) -> int:
         dump_hf_tensors(get_family(cfg.model.family), ddp.module, cfg.model, out / "grads.safetensors", grads=True,
                         log=rank0_print)
     if args.dump_grads and critic is not None:  # the critic's, under its Hugging Face names (score.* included)
+        from longstraw_mcore.adapters.attach import adapter_set
         from longstraw_mcore.checkpoint.convert import dump_hf_tensors
 
-        dump_hf_tensors(get_family(ccfg.model.family), critic.module, ccfg.model, out / "critic_grads.safetensors",
-                        grads=True, log=rank0_print)
+        if ccfg.adapter.enabled:  # its adapters and value head, under PEFT's names
+            from longstraw_mcore.adapters.peft_io import dump_grads
+
+            dump_grads(adapter_set(critic), out / "critic_grads.safetensors", log=rank0_print)
+        else:
+            dump_hf_tensors(get_family(ccfg.model.family), critic.module, ccfg.model,
+                            out / "critic_grads.safetensors", grads=True, log=rank0_print)
     if par.rank == 0:
         merged = {}
         for res, *_ in gathered:  # state bytes differ by rank (TP heads, CP shares, pipeline stages): the largest

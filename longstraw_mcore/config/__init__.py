@@ -11,7 +11,7 @@ allocation or write.
     qwen3_5.py     Qwen35Config: the Qwen3.5/3.6 hybrid's dimensions and the layouts it splits over
     glm_dsa.py     GlmDsaConfig: GLM-5.x's dimensions and layouts; glm_5_2() its real dimensions
     layout.py      ParallelConfig
-    adapter.py     AdapterConfig: LoRA / QLoRA (adapters/)
+    adapter.py     AdapterConfig: LoRA / QLoRA (adapters/); CriticAdapterConfig: the same on PPO's critic
     memory.py      MemoryConfig: recompute, state offload / fp8, optimizer offload, MLA query blocks
     sections.py    replay, grpo, rollout, ops, task, train
     ppo.py         PPOConfig: GAE, the value loss, the critic's learning rate (grpo.objective=ppo)

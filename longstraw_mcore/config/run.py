@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from longstraw_mcore.config.adapter import AdapterConfig
+from longstraw_mcore.config.adapter import AdapterConfig, CriticAdapterConfig
 from longstraw_mcore.config.errors import ConfigError, check_choices
 from longstraw_mcore.config.glm_dsa import GlmDsaConfig
 from longstraw_mcore.config.layout import ParallelConfig
@@ -39,6 +39,7 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     ops: OpsConfig = field(default_factory=OpsConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    critic_adapter: CriticAdapterConfig = field(default_factory=CriticAdapterConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -52,6 +53,7 @@ class RunConfig:
         self.model.check_layout(self.parallel)
         self.memory.check_run(self.replay.mode, self.model.dtype, self.train.grad_reduction, self.device)
         self.adapter.check_against(self.model.projection_shapes(), self.model.family)
+        self.critic_adapter.check_against(self.model.projection_shapes(), self.model.family)
         if self.replay.reuse_steps > 1 and self.adapter.prompt != "frozen":
             raise ConfigError(f"replay.reuse_steps={self.replay.reuse_steps}: one capture serves several optimizer "
                               "steps only when the prompt state does not depend on trainable weights; set "

@@ -5,7 +5,8 @@ head dim, R kv_lora_rank (the latent), Dn / Dr / Dv the no-RoPE / RoPE / value h
 
     indexer_scores   I[t, s] = sum_h w[t, h] ReLU(q[t, h] . key[s]) Di^-0.5 over the keys a query sees
                      (s at or before it), -inf elsewhere; in >= float32
-    indexer_topk     the same over key blocks with a running best k (memory O(queries x (k + block)))
+    indexer_topk     the same over key blocks with a running best k (memory O(queries x (k + block))),
+                     the selection in `topk_over_blocks` (the Triton kernel's too)
     select_topk      the k best keys per query with a deterministic tie-break: a higher score first,
                      among equal scores the earlier position. `torch.topk`'s order among ties depends on
                      the tensor's shape, and the indexer's ReLU makes exact-zero scores common, so
@@ -89,19 +90,27 @@ def indexer_topk(q: torch.Tensor, key: torch.Tensor, weights: torch.Tensor, q_po
                  counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`select_topk(indexer_scores(...))` over key blocks of `block` rows: (rows [B, T, k'] into `key`,
     their scores, -inf where invalid). Scores exist for one block at a time plus the running best k, so
-    memory is O(T (k + block)) rather than O(T S) (a 2M-token prompt has 2M keys per query). The keys
-    are in position order, so the running best (ties already in position order) followed by the next
-    block (later positions) and a stable sort give exactly the single-pass selection. `counted` [S]
-    bool: only those keys may be chosen (context parallelism: parallel/cp_dsa.py)."""
+    memory is O(T (k + block)) rather than O(T S) (a 2M-token prompt has 2M keys per query). `counted`
+    [S] bool: only those keys may be chosen (context parallelism: parallel/cp_dsa.py)."""
     key = joined_rows(key)
-    B, T = q.shape[:2]
+    return topk_over_blocks(lambda a, b: indexer_scores(q, key[:, a:b], weights, q_pos, k_pos[a:b]),
+                            key.shape[1], k, block, counted)
+
+
+def topk_over_blocks(scores_of, S: int, k: int, block: int, counted: torch.Tensor | None = None):
+    """The best k of S keys per query from their scores one key block at a time: `scores_of(a, b)` gives
+    the scores [B, T, b - a] of rows [a, b) (-inf where invisible). The keys are in position order, so the
+    running best (ties already in position order) followed by the next block (later positions) and
+    `select_topk`'s stable sort give exactly the single-pass selection. Shared by the twin and the
+    Triton kernel (ops/dsa_triton_indexer.py: its fused scores), so their selections differ only where
+    their scores do."""
     best_rows = best_vals = None
-    for a in range(0, key.shape[1], block):
-        b = min(key.shape[1], a + block)
-        sc = indexer_scores(q, key[:, a:b], weights, q_pos, k_pos[a:b])
+    for a in range(0, S, block):
+        b = min(S, a + block)
+        sc = scores_of(a, b)
         if counted is not None:
             sc = sc.masked_fill(~counted[a:b], float("-inf"))
-        rows = torch.arange(a, b, device=q.device).expand(B, T, b - a)
+        rows = torch.arange(a, b, device=sc.device).expand(*sc.shape[:2], b - a)
         if best_vals is not None:
             sc, rows = torch.cat([best_vals, sc], -1), torch.cat([best_rows, rows], -1)
         order, _ = select_topk(sc, k)

@@ -278,17 +278,16 @@ def index_bytes(m, T: int, keys: int, tp: int = 1, kernel: str = "plain") -> int
     x e, the fused down-projection's output (q latent, KV latent, RoPE key, index key) and the normed q
     latent, the indexer's queries, the RoPE part of q, and the running best indices (int64). At a
     199-token chunk of the tiny config 1.61 MiB planned against 1.53 measured. `kernel` "triton" (ops.dsa's,
-    ops/dsa_triton_indexer.py): no score blocks; its outputs alone, the rows (int64) and their scores
-    (float32), [T, min(k, keys)], beside the same layer tensors."""
+    ops/dsa_triton_indexer.py): the same selection over the same key blocks, without the per-head scores
+    and their ReLU (the kernel sums the heads in registers): one float32 score per query and key."""
     e, w = _elem(m.dtype), max(4, _elem(m.dtype))
     k = min(m.index_topk, keys)
     kb = min(m.index_block, keys) + k
     ql, R, Dr, dI = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim, m.index_head_dim
     live = T * (3 * m.hidden_size * e + (2 * ql + R + Dr + dI) * e + m.index_n_heads * dI * e
                 + (m.num_attention_heads // tp) * Dr * e)
-    if kernel == "triton":
-        return live + T * k * (8 + 4)
-    return T * kb * (2 * m.index_n_heads + 1) * w + live + T * 2 * k * 8
+    per_key = 1 if kernel == "triton" else 2 * m.index_n_heads + 1
+    return T * kb * per_key * w + live + T * 2 * k * 8
 
 
 def moe_bytes(m, T: int) -> int:

@@ -161,7 +161,7 @@ def phase_bytes(family, cfg, P: int, R: int, G: int, stage: range, last_stage: b
     blocks) keeps the CPU RNG state with its graph: RNG_STATE_BYTES each, device bytes on CPU only.
     `kernels` ("cpu" / "cuda"): where they run; ops.attention's kernel there (ops/kernel_choice.py) sets
     the attention terms, and a kind that names its own (LayerKind.kernel_name: GLM's ops.dsa,
-    dsa_kernel_name) its terms: the DSA kernels' (no score blocks, no gathered latents) or the twins'."""
+    dsa_kernel_name) its terms: the DSA kernels' (no per-head score blocks, no gathered latents) or the twins'."""
     from longstraw_mcore.ops.kernel_choice import attention_kernel_name
     from longstraw_mcore.parallel.cp import gdn_path
     from longstraw_mcore.planner.adapters import frozen_base_activation_delta  # (0 without adapters)
@@ -367,7 +367,9 @@ def critic_terms(family, cfg, stages: list[int], s: int, shards: int, sharded: b
     own pass, which runs before the policy's and is no larger (a scalar head in place of the vocabulary's
     logits), so the policy's terms already bound them. Its optimizer follows the policy's formulas
     (optimizer_terms); its gradients are planned as a full buffer (under train.grad_reduction=micro_step
-    an upper bound: there it is reduce-scattered into shards)."""
+    an upper bound: there it is reduce-scattered into shards). With `critic_adapter.rank > 0` its weights are
+    the frozen base in critic_adapter.base_dtype plus the adapters, and only the adapters take gradients and
+    Adam state (its value head, [1, hidden] + 1, is left out of those)."""
     import dataclasses
 
     from longstraw_mcore.checkpoint import heads
@@ -376,7 +378,7 @@ def critic_terms(family, cfg, stages: list[int], s: int, shards: int, sharded: b
     e = _elem(m.dtype)
     fam = dataclasses.replace(family, name=f"{family.name}:critic", checkpoint=heads.mapping(family.checkpoint,
                                                                                               "token_value"))
-    weights, n = stage_weights(fam, dataclasses.replace(cfg, adapter=type(cfg.adapter)()), stages, s)
+    weights, n = stage_weights(fam, dataclasses.replace(cfg, adapter=cfg.critic_adapter.as_adapter()), stages, s)
     (device_opt, host_opt), host_grads = optimizer_terms(cfg, n, shards, sharded)
     device = {"critic_weights": weights, "critic_gradients": n * (4 if m.dtype == "bfloat16" else e),
               "critic_optimizer": device_opt}

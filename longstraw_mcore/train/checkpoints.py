@@ -53,11 +53,12 @@ def _write_model(model, tmp: Path) -> None:
     if aset is None:
         write_model_shards(model, tmp)
         return
-    from longstraw_mcore.adapters.peft_io import gather_canonical, write_peft
+    from longstraw_mcore.adapters.peft_io import gather_canonical, gather_saved, write_peft
 
-    tensors = gather_canonical(aset, aset.parallel)
+    tensors, whole = gather_canonical(aset, aset.parallel), gather_saved(aset, aset.parallel)
     if dist.get_rank() == 0:
-        write_peft(tmp / ADAPTER_DIR, tensors, aset.cfg, sorted({s.target for s in aset.sites.values()}))
+        write_peft(tmp / ADAPTER_DIR, tensors, aset.cfg, sorted({s.target for s in aset.sites.values()}),
+                   saved=whole)
 
 
 def _load_model(model, path: Path) -> None:
@@ -67,15 +68,21 @@ def _load_model(model, path: Path) -> None:
     if aset is None:
         load_checkpoint(model, path)
         return
-    from longstraw_mcore.adapters.peft_io import read_peft
+    from longstraw_mcore.adapters.peft_io import CRITIC_SAVED_NAMES, read_peft, read_saved
 
     if not (path / ADAPTER_DIR).is_dir():
         raise CheckpointError(f"{path}: no {ADAPTER_DIR}/ (a full-parameter checkpoint; this run trains adapters)")
-    cfg, canonical = read_peft(path / ADAPTER_DIR, list(aset.sites.values()), aset.cfg)
+    shapes = {n: tuple(p.shape) for n, p in aset.saved.items()}  # (the last stage's; elsewhere none to read)
+    cfg, canonical = read_peft(path / ADAPTER_DIR, list(aset.sites.values()), aset.cfg,
+                               saved=CRITIC_SAVED_NAMES)
     if (cfg.rank, cfg.alpha) != (aset.cfg.rank, aset.cfg.alpha):
         raise CheckpointError(f"{path / ADAPTER_DIR}: r={cfg.rank}, alpha={cfg.alpha}; this run's adapter is "
                               f"r={aset.cfg.rank}, alpha={aset.cfg.alpha}")
-    load_canonical(aset, canonical)
+    whole = read_saved(path / ADAPTER_DIR, shapes) if shapes else None
+    if shapes and set(whole) != set(shapes):
+        raise CheckpointError(f"{path / ADAPTER_DIR}: no {sorted(set(shapes) - set(whole))} beside the adapters "
+                              "(a critic's checkpoint keeps its value head whole)")
+    load_canonical(aset, canonical, whole)
 
 
 def save_step(root: str | Path, step: int, model, torch_optimizers: list, model_cfg, layout: dict, history: list,

@@ -36,8 +36,11 @@ STATES = ("exp_avg", "exp_avg_sq")
 
 
 def supported(opt, model, cfg) -> str | None:
-    """None when this run's optimizer state can be written layout-free; else why not."""
-    if cfg.adapter.enabled:
+    """None when this run's optimizer state can be written layout-free; else why not (`model`'s own adapters
+    count too: a critic's, under the policy's `cfg`)."""
+    from longstraw_mcore.adapters.attach import adapter_set
+
+    if cfg.adapter.enabled or adapter_set(model) is not None:
         return "adapters (their optimizer state stays per rank)"
     return None
 

@@ -146,6 +146,16 @@ def _cases(tmp):
          "ppo.gamma=1.5: must be in [0, 1]"),
         ("lambda outside [0, 1]", train + ["--rollouts", ok, "grpo.objective=ppo", "ppo.lam=-0.1"],
          "ppo.lam=-0.1: must be in [0, 1]"),
+        ("critic adapters without PPO", train + ["--rollouts", ok, "critic_adapter.rank=4"],
+         "critic_adapter.rank=4: adapters on a critic, which only grpo.objective=ppo uses"),
+        ("a critic adapter without a critic", train + ["--rollouts", ok, "--critic-adapter", str(tmp)],
+         f"--critic-adapter {tmp}: needs --critic"),
+        ("lm_head on a critic", train + ["--rollouts", ok, "grpo.objective=ppo", "critic_adapter.rank=4",
+                                         "critic_adapter.targets=[q_proj,lm_head]"],
+         "critic_adapter.targets: lm_head is not a critic's"),
+        ("critic adapter rank beyond a target", train + ["--rollouts", ok, "critic_adapter.rank=5",
+                                                          "critic_adapter.targets=[in_proj_b]"],
+         "critic_adapter.rank=5: exceeds the smaller dimension 4 of in_proj_b"),
     ]
 
 

@@ -1,6 +1,6 @@
 """`TRITON_INTERPRET=1 longstraw validate ... ops.dsa=triton` on a GLM model equals the twin's `validate`
 (float32, exact mode, on the CPU): every DSA use through the project's Triton kernels (the indexer's
-streaming top-k, sparse MLA forward and backward), run by Triton's interpreter, against `ops.dsa=plain`.
+fused scores under the twin's selection, sparse MLA forward and backward), run by Triton's interpreter, against `ops.dsa=plain`.
 The model: GLM-5.2's tiny width (configs/glm-5.2-tiny.yaml) cut to 4 layers (three full indexer layers and
 a shared one, top-k 8 of a 40-token prompt: the sparse regime), transformers-layout weights. The group
 exercises capture in chunks of 16, the replay of the branches, exact mode's sweep (the latents' and RoPE

@@ -9,7 +9,9 @@ computed per sequence in tests/ppo_reference.py:
   responses share a prefix, replayed once (a prefix tree), the reference replays them flat; group 1 has
   a loss mask, old log-probs, old values and a KL reward (grpo.beta > 0, reference log-probs);
 - one rank, detached mode, against transformers' prompt-cache path (the prompt a no-grad constant);
-- TP=2 x CP=2 and PP=2 equal one rank (<= 1e-12)."""
+- TP=2 x CP=2 and PP=2 equal one rank (<= 1e-12);
+- a LoRA critic (`--critic-adapter`, a directory PEFT wrote) equals PEFT's autograd at one rank, and
+  TP=2 x PP=2 equals one rank."""
 
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def _validate(n, d, out, mode, *extra):
     return json.loads((out / "receipt.json").read_text())
 
 
-def _against(receipt, out, ref, policy, critic):
+def _against(receipt, out, ref, policy, critic, critic_grads=None):
     from ppo_reference import grads
     from safetensors.torch import load_file
 
@@ -59,11 +61,12 @@ def _against(receipt, out, ref, policy, critic):
     diff = {k: worst(receipt[k], ref[k]) for k in ("values", "advantages", "returns", "logprobs")}
     diff["loss"] = abs(receipt["loss"] - ref["loss"])
     diff["value_loss"] = abs(receipt["value_loss"] - ref["value_loss"])
-    for name, model, file in (("policy", policy, "grads.safetensors"), ("critic", critic, "critic_grads.safetensors")):
-        got, want = load_file(str(out / file)), grads(model)
+    for name, want, file in (("policy", grads(policy), "grads.safetensors"),
+                             ("critic", (critic_grads or grads)(critic), "critic_grads.safetensors")):
+        got = load_file(str(out / file))
         assert set(got) == set(want), sorted(set(got) ^ set(want))[:5]
         diff[f"{name}_grad"] = max(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in want)
-    assert "score.weight" in got and "score.bias" in got
+    assert {"score.weight", "score.bias"} <= {k.removeprefix("base_model.model.") for k in got}
     return diff
 
 
@@ -104,3 +107,28 @@ def test_ppo_layouts_equal_one_rank(case, tmp_path):
         assert max(v for k, v in diff.items() if isinstance(v, float) and not k.endswith("grad_worst")) <= 1e-12
         # (each tensor against its own largest entry: tools/compare_validate.py)
         assert diff["grad_worst"] <= 1e-10 and diff["critic_grad_worst"] <= 1e-10
+
+
+def test_ppo_critic_lora_equals_peft_and_layouts(case, tmp_path):
+    """A LoRA critic (--critic-adapter: a PEFT token-classification directory written by PEFT itself, its
+    score kept whole) on the transformers critic's frozen base: values, advantages, losses, the policy's
+    gradients and the critic's adapter and score gradients equal PEFT's full-sequence autograd (<= 1e-10)
+    at one rank in exact mode; TP=2 x PP=2 (the factors sharded, the score on the last stage) equals one
+    rank (<= 1e-12, each tensor against its own largest entry <= 1e-10)."""
+    from compare_validate import compare
+    from ppo_reference import peft_critic, peft_grads, reference
+
+    d, policy, critic, _, groups = case
+    pc = peft_critic(critic, d / "critic_lora", ["q_proj", "in_proj_qkv", "down_proj"], 4, 8.0, seed=11)
+    lora = ("--critic-adapter", str(d / "critic_lora"))
+    got = _validate(1, d, tmp_path / "one", "exact", *lora)
+    policy.zero_grad(set_to_none=True)
+    kw = dict(gamma=0.9, lam=0.8, vf_coef=0.7, clip=0.3, beta=0.05)
+    diff = _against(got, tmp_path / "one", reference(policy, pc, groups, "exact", **kw), policy, pc, peft_grads)
+    print(f"LoRA critic vs PEFT, full sequences: {diff}")
+    assert max(diff.values()) <= 1e-10
+    _validate(4, d, tmp_path / "tp2pp2", "exact", "parallel.tp=2", "parallel.pp=2", *lora)
+    diff = compare(tmp_path / "tp2pp2", tmp_path / "one")
+    print(f"LoRA critic, TP=2 x PP=2 vs one rank: {diff}")
+    assert max(v for k, v in diff.items() if isinstance(v, float) and not k.endswith("grad_worst")) <= 1e-12
+    assert diff["grad_worst"] <= 1e-10 and diff["critic_grad_worst"] <= 1e-10

@@ -1,6 +1,7 @@
 """The project's DSA Triton kernels equal the plain twins, run on the CPU under Triton's interpreter:
 tests/dsa_interpreter_checks.py in a fresh process with TRITON_INTERPRET=1, float32.
-  - the indexer's streaming top-k (ops/dsa_triton_indexer.py): the same rows (exactly) and validity, and
+  - the indexer (ops/dsa_triton_indexer.py: fused scores, the twin's selection, key steps of its own size
+    across the two key parts too): the same rows (exactly) and validity, and
     scores within 1e-5, in the dense regime (k above the key count), the sparse one, with many exact-zero
     ties (broken toward the earlier position as the twin breaks them), and over a CP rank's counted rows;
   - sparse MLA (ops/dsa_triton_mla.py): o_lat, lse and every gradient (queries, W_UK, and the latents and

@@ -36,3 +36,25 @@ def test_critic_terms(over):
     dev, host = plan_both(fam, ppo, 256, 16, 4, 2)
     t = plan_time(fam, ppo, 256, 16, 4, 2, device_profile("H20-96GB"), None, host)["seconds"]
     assert t["critic"] == pytest.approx(t["capture"] + t["replay"])
+
+
+def test_qlora_critic_terms_are_a_qlora_policys():
+    """critic_adapter.rank > 0: the critic's weights, gradients and Adam state are those of a policy with the
+    same `adapter` section (its frozen base at critic_adapter.base_dtype, only the adapters trained), the
+    output layer swapped for the value head; the policy's own terms do not change."""
+    over = ["parallel.tp=2", "model.dtype=bfloat16"]
+    qlora = ["rank=4", "base_dtype=nf4", "targets=[q_proj,in_proj_qkv,down_proj]"]
+    full = load_config("configs/qwen3.6-tiny.yaml", over + ["grpo.objective=ppo"])
+    ppo = load_config("configs/qwen3.6-tiny.yaml", over + ["grpo.objective=ppo"] + [f"critic_adapter.{x}" for x in qlora])
+    like = load_config("configs/qwen3.6-tiny.yaml", over + [f"adapter.{x}" for x in qlora])
+    fam = get_family("qwen3_5")
+    m = ppo.model
+    a, _ = stage_plan(fam, full, 256, 16, 4, 2, 0, False)
+    b, _ = stage_plan(fam, ppo, 256, 16, 4, 2, 0, False)
+    c, _ = stage_plan(fam, like, 256, 16, 4, 2, 0, False)
+    head_delta = (m.hidden_size + 1 - m.padded_vocab_size(2) * m.hidden_size // 2) * 2
+    assert b["critic_weights"] == c["weights"] + head_delta < a["critic_weights"]
+    assert b["critic_gradients"] == c["gradients"] and b["critic_optimizer"] == c["optimizer"]
+    assert b["critic_gradients"] < a["critic_gradients"] // 10
+    assert {k: v for k, v in b.items() if not k.startswith("critic_")} == \
+        {k: v for k, v in a.items() if not k.startswith("critic_")}
