@@ -198,6 +198,9 @@ def run(args) -> int:
     elif args.group_size is None or args.response_len is None:
         raise ConfigError("plan: give --response-len and --group-size, or --tree WIDTHS:LENGTHS")
     cfg = load_run_config(args)
+    from longstraw_mcore.commands.preflight import refuse_vpp
+
+    refuse_vpp(cfg, "plan")  # (its bubble is the 1F1B schedule's)
     if args.suggest:
         res, _ = _suggest(args, cfg)
     else:

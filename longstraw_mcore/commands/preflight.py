@@ -22,7 +22,17 @@ def check_run(cfg: RunConfig, cmd: str, world_size: int | None) -> int | None:
                           "(Megatron's optimizer and gradient clipping have no float64 path); use "
                           "train.grad_reduction=micro_step, or float64 in `longstraw validate`")
     p.stage_layers(m.num_layers)  # the pipeline split adds up (RunConfig checked it; a mutated config too)
+    refuse_vpp(cfg, cmd)
     return None if world_size is None else p.dp_for(world_size)
+
+
+def refuse_vpp(cfg: RunConfig, cmd: str) -> None:
+    """parallel.vpp > 1: the model builder and Megatron's interleaved schedule take model chunks
+    (replay/pipeline.py), the replay plan does not run through them yet."""
+    if cfg.parallel.vpp > 1:
+        raise ConfigError(f"parallel.vpp={cfg.parallel.vpp}: `longstraw {cmd}` runs the replay schedule on one model "
+                          "chunk per pipeline rank (Megatron's 1F1B); interleaved stages are not built into it yet. "
+                          "Use parallel.vpp=1")
 
 
 def check_sampling(cfg: RunConfig, what: str) -> None:

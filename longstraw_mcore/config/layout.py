@@ -24,32 +24,53 @@ class ParallelConfig:
     pp_layers: list[int] | None = None
     """Decoder layers of each pipeline stage, first to last (uneven stages, e.g. [15, 16, 16, 17] for
     64 layers at pp=4); None splits them evenly. The embedding sits on the first stage and the output
-    layer on the last (both families keep them untied)."""
+    layer on the last (both families keep them untied). With vpp > 1, one count per virtual stage, in
+    the order the data flows (pp x vpp counts)."""
+    vpp: int = 1
+    """Model chunks per pipeline rank: Megatron's interleaved (virtual) pipeline stages. Virtual stage
+    v x pp + r is rank r's chunk v. The model builder and Megatron's interleaved schedule take them
+    (models/language_model.py, replay/pipeline.py); the replay engine does not run them yet, so every
+    command refuses vpp > 1 (commands/preflight.py)."""
 
     def __post_init__(self) -> None:
-        check_ints(self, "parallel", ("tp", "pp", "cp", "ep"))
+        check_ints(self, "parallel", ("tp", "pp", "cp", "ep", "vpp"))
+        if self.vpp > 1 and self.pp == 1:
+            raise ConfigError(f"parallel.vpp={self.vpp} needs parallel.pp > 1 (model chunks interleave over "
+                              "pipeline ranks)")
         if self.pp_layers is not None:
             pl = self.pp_layers
             if not isinstance(pl, (list, tuple)) or any(not isinstance(n, int) or isinstance(n, bool) or n < 1
                                                          for n in pl):
                 raise ConfigError(f"parallel.pp_layers={pl!r}: must be a list of positive layer counts, one per "
                                   f"pipeline stage")
-            if len(pl) != self.pp:
-                raise ConfigError(f"parallel.pp_layers={list(pl)} has {len(pl)} stages but parallel.pp={self.pp}; "
-                                  f"give one layer count per stage")
+            if len(pl) != self.pp * self.vpp:
+                per = "stage" if self.vpp == 1 else f"virtual stage (pp x vpp = {self.pp * self.vpp})"
+                raise ConfigError(f"parallel.pp_layers={list(pl)} has {len(pl)} stages but parallel.pp={self.pp}"
+                                  + (f", parallel.vpp={self.vpp}" if self.vpp > 1 else "")
+                                  + f"; give one layer count per {per}")
             self.pp_layers = list(pl)
 
-    def stage_layers(self, num_layers: int) -> list[int]:
-        """Decoder layers per pipeline stage; raises ConfigError when they do not add up."""
+    def virtual_stage_layers(self, num_layers: int) -> list[int]:
+        """Decoder layers per virtual stage (pp x vpp of them; the pipeline stages at vpp = 1); raises
+        ConfigError when they do not add up."""
+        n = self.pp * self.vpp
         if self.pp_layers is not None:
             if sum(self.pp_layers) != num_layers:
                 raise ConfigError(f"parallel.pp_layers={self.pp_layers} adds up to {sum(self.pp_layers)} layers but "
                                   f"model.num_layers={num_layers}")
             return list(self.pp_layers)
-        if num_layers % self.pp:
-            raise ConfigError(f"model.num_layers={num_layers} is not divisible by parallel.pp={self.pp}; set "
-                              f"parallel.pp_layers (a layer count per stage, adding up to {num_layers})")
-        return [num_layers // self.pp] * self.pp
+        if num_layers % n:
+            what = f"parallel.pp={self.pp}" if self.vpp == 1 else f"parallel.pp x parallel.vpp = {n}"
+            raise ConfigError(f"model.num_layers={num_layers} is not divisible by {what}; set parallel.pp_layers "
+                              f"(a layer count per {'stage' if self.vpp == 1 else 'virtual stage'}, adding up to "
+                              f"{num_layers})")
+        return [num_layers // n] * n
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Decoder layers per pipeline rank (its virtual stages' together); raises ConfigError when they do
+        not add up."""
+        v = self.virtual_stage_layers(num_layers)
+        return [sum(v[c * self.pp + r] for c in range(self.vpp)) for r in range(self.pp)]
 
     @property
     def model_parallel_size(self) -> int:

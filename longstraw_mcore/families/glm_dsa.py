@@ -32,12 +32,12 @@ LAYERS = {
 }
 
 
-def build_model(model_cfg: GlmDsaConfig, parallel, device: str, head: str = "lm"):
+def build_model(model_cfg: GlmDsaConfig, parallel, device: str, head: str = "lm", vp_stage: int | None = None):
     """This rank\'s part of the model (models/glm5.py), with the family\'s layer records; `head`:
-    models/heads.py."""
+    models/heads.py; `vp_stage`: its model chunk at parallel.vpp > 1."""
     from longstraw_mcore.models.glm5 import build_model as build
 
-    return build(model_cfg, parallel, device, LAYERS, head)
+    return build(model_cfg, parallel, device, LAYERS, head, vp_stage)
 
 
 FAMILY = Family(name="glm_dsa", config=GlmDsaConfig, build_model=build_model, checkpoint=checkpoint,

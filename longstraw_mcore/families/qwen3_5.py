@@ -28,12 +28,12 @@ LAYERS = {
 }
 
 
-def build_model(model_cfg: Qwen35Config, parallel, device: str, head: str = "lm"):
+def build_model(model_cfg: Qwen35Config, parallel, device: str, head: str = "lm", vp_stage: int | None = None):
     """This rank\'s part of the model (models/qwen3_5.py), with the family\'s layer records; `head`:
-    models/heads.py."""
+    models/heads.py; `vp_stage`: its model chunk at parallel.vpp > 1."""
     from longstraw_mcore.models.qwen3_5 import build_model as build
 
-    return build(model_cfg, parallel, device, LAYERS, head)
+    return build(model_cfg, parallel, device, LAYERS, head, vp_stage)
 
 
 FAMILY = Family(name="qwen3_5", config=Qwen35Config, build_model=build_model, checkpoint=checkpoint,

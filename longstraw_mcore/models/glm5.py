@@ -30,7 +30,7 @@ from longstraw_mcore import cpu_compat
 from longstraw_mcore.config import GlmDsaConfig, ParallelConfig
 from longstraw_mcore.models import language_model
 from longstraw_mcore.models.glm_moe import float64_routing, moe_config_kwargs, sequence_sharded_moe_spec
-from longstraw_mcore.models.language_model import ReplayLanguageModel, pipeline_kwargs, stage_range
+from longstraw_mcore.models.language_model import ReplayLanguageModel, built_layout, pipeline_kwargs, stage_range
 from longstraw_mcore.models.mixers.mla_dsa import MLADSAMixer, MLADSASubmodules, TopkShare
 from longstraw_mcore.models.norms import RMSNorm
 
@@ -77,13 +77,13 @@ def block_spec(m: GlmDsaConfig, layers: range, kv=None) -> TransformerBlockSubmo
 
 
 def build_model(model_cfg: GlmDsaConfig, parallel, device: str, layer_kinds: dict,
-                head: str = "lm") -> ReplayLanguageModel:
+                head: str = "lm", vp_stage: int | None = None) -> ReplayLanguageModel:
     """This rank's part of the model on `device`; `layer_kinds`: the family's per-layer-type records
     (families/glm_dsa.py hands them in)."""
     if model_cfg.torch_dtype == torch.float64:
         float64_routing()  # float64 validation runs route in float64 (models/glm_moe.py)
-    pc = ParallelConfig(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep, pp_layers=parallel.stage_layers)
+    pc = built_layout(parallel, with_ep=True)
     model_cfg.check_layout(pc)  # before anything is allocated
-    spec = block_spec(model_cfg, stage_range(parallel), parallel.tp_kv)
+    spec = block_spec(model_cfg, stage_range(parallel, vp_stage), parallel.tp_kv)
     return language_model.build(transformer_config(model_cfg, pc, device), model_cfg, parallel, spec, layer_kinds,
-                                device, head)
+                                device, head, vp_stage)

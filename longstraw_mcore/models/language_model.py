@@ -42,14 +42,36 @@ def pipeline_kwargs(num_layers: int, p: ParallelConfig) -> dict:
     (variable_seq_lengths), which Megatron refuses with its default MoE dispatcher, even without experts."""
     if p.pp == 1:
         return {}
-    layout = [["decoder"] * n for n in p.stage_layers(num_layers)]
+    layout = [["decoder"] * n for n in p.virtual_stage_layers(num_layers)]
     layout[0].insert(0, "embedding")
     layout[-1].append("loss")
-    return dict(pipeline_model_parallel_layout=layout, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+    kw = dict(pipeline_model_parallel_layout=layout, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+    if p.vpp > 1:  # virtual stage v x pp + r is rank r's chunk v; micro-batches go through a chunk pp at a time.
+        # Unbatched p2p, as Megatron runs its interleaved schedule with overlap: its batched ops, at pp = 2,
+        # pair a send to the peer as "next" with the peer's receive from it as "prev" in the wrong role
+        # (parallel/p2p_shapes.py: the same crossing in the shape exchange)
+        kw.update(virtual_pipeline_model_parallel_size=p.vpp, microbatch_group_size_per_vp_stage=p.pp,
+                  batch_p2p_comm=False)
+    return kw
 
 
-def stage_range(parallel) -> range:
-    """The global (0-based) layers this rank's pipeline stage owns."""
+def built_layout(parallel, with_ep: bool = False) -> ParallelConfig:
+    """The ParallelConfig of a set-up rank's layout (parallel/groups.Parallel): its pipeline split (per
+    virtual stage at vpp > 1) for the TransformerConfig; `with_ep`: the MoE families' expert parallel size."""
+    return ParallelConfig(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep if with_ep else 1,
+                          pp_layers=parallel.virtual_layers or parallel.stage_layers, vpp=parallel.vpp)
+
+
+def stage_range(parallel, vp_stage: int | None = None) -> range:
+    """The global (0-based) layers this rank's pipeline stage owns, or at vpp > 1 its chunk `vp_stage`'s."""
+    if parallel.vpp > 1:
+        if vp_stage is None:
+            raise ValueError(f"parallel.vpp={parallel.vpp}: a rank's layers are its chunks', not one range; name the "
+                             "chunk (vp_stage)")
+        v = parallel.virtual_layers
+        stage = vp_stage * parallel.pp + parallel.pp_rank
+        first = sum(v[:stage])
+        return range(first, first + v[stage])
     stages = parallel.stage_layers
     first = sum(stages[:parallel.pp_rank])
     return range(first, first + stages[parallel.pp_rank])
@@ -65,7 +87,7 @@ class ReplayLanguageModel(ReplayModelMixin, LanguageModule):
 
     def __init__(self, config: TransformerConfig, model_cfg: ModelConfig, pg_collection,
                  spec: TransformerBlockSubmodules, layer_kinds: dict, kv_group=None, pre_process: bool = True,
-                 post_process: bool = True, head: str = "lm"):
+                 post_process: bool = True, head: str = "lm", vp_stage: int | None = None):
         super().__init__(config=config, pg_collection=pg_collection)
         self.model_cfg, self.layer_kinds, self.kv_group, self.head = model_cfg, layer_kinds, kv_group, head
         self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
@@ -78,7 +100,7 @@ class ReplayLanguageModel(ReplayModelMixin, LanguageModule):
                                                     max_sequence_length=1, position_embedding_type="none",
                                                     tp_group=pg_collection.tp)
         self.decoder = TransformerBlock(config=config, spec=spec, pre_process=pre_process,
-                                        post_process=post_process, pg_collection=pg_collection)
+                                        post_process=post_process, pg_collection=pg_collection, vp_stage=vp_stage)
         if post_process and head != "lm":  # a critic's or a reward model's scalar head (models/heads.py)
             self.output_layer = make_head(head, config.hidden_size, config.params_dtype)
         elif post_process:
@@ -109,11 +131,14 @@ class ReplayLanguageModel(ReplayModelMixin, LanguageModule):
 
 
 def build(transformer_config: TransformerConfig, model_cfg: ModelConfig, parallel, spec, layer_kinds: dict,
-          device: str, head: str = "lm") -> ReplayLanguageModel:
-    """This rank's part of the model (its pipeline stage, its TP shard) on `device`."""
+          device: str, head: str = "lm", vp_stage: int | None = None) -> ReplayLanguageModel:
+    """This rank's part of the model (its pipeline stage, or at vpp > 1 its chunk `vp_stage`; its TP shard)
+    on `device`: the embedding in the first virtual stage, the output layer in the last."""
+    first = vp_stage in (None, 0)
+    last = vp_stage is None or vp_stage == parallel.vpp - 1
     model = ReplayLanguageModel(transformer_config, model_cfg, parallel.pgs, spec, layer_kinds,
-                                kv_group=parallel.tp_kv, pre_process=parallel.is_first_stage,
-                                post_process=parallel.is_last_stage, head=head)
+                                kv_group=parallel.tp_kv, pre_process=parallel.is_first_stage and first,
+                                post_process=parallel.is_last_stage and last, head=head, vp_stage=vp_stage)
     return model.cuda() if device == "cuda" else model
 
 

@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from longstraw_mcore import cpu_compat
 from longstraw_mcore.config import ParallelConfig, Qwen35Config
 from longstraw_mcore.models import language_model
-from longstraw_mcore.models.language_model import ReplayLanguageModel, pipeline_kwargs, stage_range
+from longstraw_mcore.models.language_model import ReplayLanguageModel, built_layout, pipeline_kwargs, stage_range
 from longstraw_mcore.models.mixers.gated_attention import GatedAttentionMixer, GatedAttentionSubmodules
 from longstraw_mcore.models.mixers.gated_deltanet import GatedDeltaNetMixer, GatedDeltaNetSubmodules
 from longstraw_mcore.models.norms import ZeroCenteredRMSNorm
@@ -82,10 +82,10 @@ def block_spec(m: Qwen35Config, layers: range, kv=None) -> TransformerBlockSubmo
 
 
 def build_model(model_cfg: Qwen35Config, parallel, device: str, layer_kinds: dict,
-                head: str = "lm") -> ReplayLanguageModel:
+                head: str = "lm", vp_stage: int | None = None) -> ReplayLanguageModel:
     """This rank's part of the model (its pipeline stage, its TP shard) on `device`; `layer_kinds`: the
     family's per-layer-type records (families/qwen3_5.py hands them in)."""
-    pc = ParallelConfig(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, pp_layers=parallel.stage_layers)
-    spec = block_spec(model_cfg, stage_range(parallel), parallel.tp_kv)
+    pc = built_layout(parallel)
+    spec = block_spec(model_cfg, stage_range(parallel, vp_stage), parallel.tp_kv)
     return language_model.build(transformer_config(model_cfg, pc, device), model_cfg, parallel, spec, layer_kinds,
-                                device, head)
+                                device, head, vp_stage)

@@ -35,6 +35,8 @@ class Parallel:
     world_size: int
     stage_layers: list  # decoder layers per pipeline stage (ParallelConfig.stage_layers)
     ep: int = 1  # expert parallel size (carved out of dp, as Megatron does)
+    vpp: int = 1  # model chunks per pipeline rank (ParallelConfig.vpp)
+    virtual_layers: list | None = None  # decoder layers per virtual stage at vpp > 1, in the data's order
     tp_kv: object = None
     """This rank's KV group (parallel/kv_group.py) when tp exceeds the heads the prompt state is split by
     (`model.state_heads`: Qwen's KV heads; one for GLM's latent, so the whole TP group at tp > 1)."""
@@ -107,6 +109,9 @@ def setup_parallel(cfg: RunConfig) -> Parallel:
                                              expert_tensor_parallel_size=1,
                                              **({} if timeout is None else
                                                 {"distributed_timeout_minutes": timeout.total_seconds() / 60}))
+    # Megatron reads the virtual pipeline size from its global state where it numbers a chunk's layers
+    # (PipelineParallelLayerLayout.get_layer_offset), whatever process groups a module is given
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(p.vpp if p.vpp > 1 else None)
     torch.manual_seed(cfg.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
@@ -114,7 +119,8 @@ def setup_parallel(cfg: RunConfig) -> Parallel:
     tp_kv = new_kv_groups(pgs.tp, cfg.model.state_heads)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     return Parallel(pgs=pgs, device=dev, tp=p.tp, pp=p.pp, cp=p.cp, dp=dp, rank=dist.get_rank(), world_size=world,
-                    stage_layers=stages, ep=p.ep, tp_kv=tp_kv, lockstep=lockstep_group(pgs))
+                    stage_layers=stages, ep=p.ep, tp_kv=tp_kv, lockstep=lockstep_group(pgs), vpp=p.vpp,
+                    virtual_layers=p.virtual_stage_layers(cfg.model.num_layers) if p.vpp > 1 else None)
 
 
 def lockstep_group(pgs):

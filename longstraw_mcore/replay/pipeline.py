@@ -54,10 +54,12 @@ capture schedule (finish_capture: its seconds count as capture), before and afte
 token batches through the stages with a loss on the logits (`longstraw smoke`); all three reach
 Megatron's `get_forward_backward_func` through `schedule`.
 
-Megatron's interleaved (virtual) stages are not used: the model builds one chunk of layers per rank
-and the state containers are per rank. What they would buy is a smaller bubble, (pp-1)/(M+pp-1)
-of a schedule of M micro-batches, and here M is large where the time is: capture and the sweep run
-one micro-batch per chunk (a 2M-token prompt in 16K chunks is 128), so their bubble is already small.
+Megatron's interleaved (virtual) stages: `schedule` and `forward_backward` take a rank's list of model
+chunks (parallel.vpp, the model builder's `vp_stage`) and run Megatron's interleaved schedule; the replay
+plan does not run through them yet (its state containers and the sweep's seeds are per rank), and the
+commands refuse vpp > 1. What they would buy is a smaller bubble, (pp-1)/(vpp M + pp-1) instead of
+(pp-1)/(M+pp-1) of a schedule of M micro-batches; here M is large where the time is (a 2M-token prompt in
+16K capture chunks is 128 micro-batches), and small for a group's branches.
 """
 
 from __future__ import annotations
@@ -99,16 +101,30 @@ def _loss(value: torch.Tensor, n_micro: int):
 def schedule(model, pgs, config, data: list, forward_step, forward_only: bool, seq_length: int = 1,
              micro_batch_size: int = 1):
     """Megatron's schedule over the micro-batches `data` (no pipelining at pp = 1, 1F1B otherwise;
-    explicit process groups); returns what it returns (the last stage's reported values)."""
+    explicit process groups); returns what it returns (the last stage's reported values). `model`: this
+    rank's model, or its list of model chunks (parallel.vpp > 1): Megatron's interleaved schedule, each
+    micro-batch through chunk 0 of every rank, then chunk 1, ..., `forward_step` called with the chunk
+    (its `pre_process` / `post_process` say where it sits); it takes a multiple of pp micro-batches."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    kwargs = dict(forward_step_func=forward_step, data_iterator=iter(data), model=[model], num_microbatches=len(data),
+    chunks = model if isinstance(model, list) else [model]
+    vpp = len(chunks)
+    data_iterator = iter(data) if vpp == 1 else [iter(data) for _ in chunks]
+    kwargs = dict(forward_step_func=forward_step, data_iterator=data_iterator, model=chunks, num_microbatches=len(data),
                   seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only)
     if pgs.pp.size() > 1:  # explicit groups: Megatron wants the communicator and the collection together
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+        if vpp > 1:
+            pp = pgs.pp.size()
+            if len(data) % pp:  # (Megatron refuses a last group of micro-batches smaller than pp)
+                raise ValueError(f"{len(data)} micro-batches through {pp} pipeline ranks x {vpp} model chunks: the "
+                                 f"interleaved schedule takes them {pp} at a time, so a multiple of {pp}")
+            from longstraw_mcore.parallel import p2p_shapes
+
+            p2p_shapes.install()  # (pp = 2: both directions' shapes to one peer; parallel/p2p_shapes.py)
         kwargs.update(p2p_communicator=P2PCommunicator(pp_group=pgs.pp, config=config), pg_collection=pgs)
-    return get_forward_backward_func(pp_size=pgs.pp.size())(**kwargs)
+    return get_forward_backward_func(pp_size=pgs.pp.size(), vp_size=vpp if vpp > 1 else None)(**kwargs)
 
 
 def _replay_schedule(core, model, steps: list[Step], forward_step, forward_only: bool) -> None:
@@ -138,7 +154,8 @@ def forward_once(model, forward, read):
 
 
 def forward_backward(model, par, batches: list[torch.Tensor], loss_fn: Callable, forward_only: bool = False):
-    """Each micro-batch of token ids through the stages (`longstraw smoke`): `loss_fn` receives the
+    """Each micro-batch of token ids through the stages (`longstraw smoke`; `model` may be a list of model
+    chunks, `schedule`): `loss_fn` receives the
     vocab-parallel logits `[B, T, V/tp]` on the last stage and returns `(scalar loss, dict of float
     metrics)`; the schedule divides the loss by the number of micro-batches, as Megatron does. Returns,
     on every rank, the per-micro-batch values `loss_fn` reported."""
@@ -151,7 +168,8 @@ def forward_backward(model, par, batches: list[torch.Tensor], loss_fn: Callable,
     def forward_step(data_iterator, model_):
         return model_(next(data_iterator).to(par.device)), loss_fn
 
-    results = schedule(model, par.pgs, model.config, batches, forward_step, forward_only, seq_length=shape[1],
+    config = (model[0] if isinstance(model, list) else model).config
+    results = schedule(model, par.pgs, config, batches, forward_step, forward_only, seq_length=shape[1],
                        micro_batch_size=shape[0])
     if par.pp == 1:  # results live on the last stage; give every rank the same list
         return results

@@ -78,7 +78,8 @@ def build_glm(m, tp: int = 1, ep: int = 1):
                                              expert_tensor_parallel_size=1)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     par = SimpleNamespace(tp=tp, pp=1, cp=1, ep=ep, pgs=pgs, is_first_stage=True, is_last_stage=True,
-                          dp=dist.get_world_size() // tp, pp_rank=0, stage_layers=[m.num_layers], tp_kv=None)
+                          dp=dist.get_world_size() // tp, pp_rank=0, stage_layers=[m.num_layers], tp_kv=None, vpp=1,
+                          virtual_layers=None)
     return build_model(m, par, "cpu"), par
 
 
