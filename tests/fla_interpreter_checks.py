@@ -117,7 +117,7 @@ def gate_case(gen) -> dict:
 
     from longstraw_mcore.ops import fla_gdn
 
-    fla_gdn._fla()
+    fla_gdn.prepare()
     real = fla_gdn._hopper_gate_applies
     fla_gdn._hopper_gate_applies = lambda device: True
     flag = chunk_o.TRITON_ABOVE_3_7_1

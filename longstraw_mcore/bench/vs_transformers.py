@@ -65,6 +65,10 @@ def build_hf(m, attn: str = "sdpa", seed: int = 0, fla: bool = False):
     from longstraw_mcore.checkpoint.qwen3_5 import hf_config_dict
 
     Qwen3_5ForCausalLM = qwen3_5_modeling(fla).Qwen3_5ForCausalLM
+    if fla:  # the peer runs fla's rule as we do: on Hopper with Triton < 3.7.1, its backward at key dims > 64
+        from longstraw_mcore.ops import fla_gdn  # (refused by fla otherwise, fla issue #640; ops/fla_gdn.py)
+
+        fla_gdn.prepare()
 
     raw = hf_config_dict(m)
     for k in ("architectures", "model_type", "dtype"):

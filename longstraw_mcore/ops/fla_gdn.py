@@ -73,6 +73,13 @@ def missing(v: torch.Tensor, key_dim: int | None = None) -> str | None:
     return None
 
 
+def prepare() -> None:
+    """Import fla once as this module runs it: the interpreter's bridges where it interprets, and the Hopper
+    gate lifted for key dims > 64 (`_hopper_gate`), for every caller of fla's rule in this process (the
+    benchmark's transformers peer too, which would otherwise be refused its backward on Hopper)."""
+    _fla()
+
+
 @functools.cache
 def _fla():
     """fla's two entry points, imported once (after the interpreter's bridges where it interprets)."""
