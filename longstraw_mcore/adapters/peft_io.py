@@ -37,11 +37,13 @@ def saved_shapes(m) -> dict[str, tuple[int, ...]]:
 
 
 def read_peft(path: str | Path, sites: list[Site], base: AdapterConfig,
-              saved=()) -> tuple[AdapterConfig, dict]:
+              saved=(), load: bool = True) -> tuple[AdapterConfig, dict]:
     """A PEFT directory -> (the adapter section it describes, {module: (A, B)} in float64). `base`: the
     run's section (its base_dtype and prompt are kept; rank, alpha and targets come from the directory).
     `saved`: names of whole tensors a critic's directory may hold beside the factors (`saved_shapes`; read
-    them with `read_saved`). Raises ConfigError naming what does not match the model, before any model work."""
+    them with `read_saved`). `load` False: the same checks from the file's header alone, the factors
+    returned as meta tensors (a config-time check). Raises ConfigError naming what does not match the
+    model, before any model work."""
     from safetensors import safe_open
 
     d = Path(path)
@@ -72,7 +74,7 @@ def read_peft(path: str | Path, sites: list[Site], base: AdapterConfig,
             if name not in by_name:
                 raise ConfigError(f"{st}: {key!r}: the model has no projection {name!r} an adapter can target "
                                   "(is this adapter for another base model?)")
-            canonical.setdefault(name, [None, None])[factor] = fh.get_tensor(key).to(torch.float64)
+            canonical.setdefault(name, [None, None])[factor] = _tensor(fh, key, load).to(torch.float64)
     if not canonical:
         raise ConfigError(f"{st}: holds no LoRA tensors")
     for name, (A, B) in canonical.items():
@@ -95,9 +97,15 @@ def read_peft(path: str | Path, sites: list[Site], base: AdapterConfig,
     return cfg, {n: (A, B) for n, (A, B) in canonical.items()}
 
 
-def read_saved(path: str | Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+def _tensor(fh, key: str, load: bool) -> torch.Tensor:
+    """A safetensors entry, or (`load` False) a meta tensor of its shape, read from the header alone."""
+    return fh.get_tensor(key) if load else torch.empty(fh.get_slice(key).get_shape(), device="meta")
+
+
+def read_saved(path: str | Path, shapes: dict[str, tuple[int, ...]], load: bool = True) -> dict[str, torch.Tensor]:
     """The whole tensors `shapes` names ({"score.weight": (1, H), ...}) from a PEFT directory, float64; those
-    it lacks are left out (the model keeps its own). ConfigError on a shape that does not match."""
+    it lacks are left out (the model keeps its own). ConfigError on a shape that does not match. `load`
+    False: meta tensors, from the header alone (read_peft's)."""
     from safetensors import safe_open
 
     st = Path(path) / "adapter_model.safetensors"
@@ -106,7 +114,7 @@ def read_saved(path: str | Path, shapes: dict[str, tuple[int, ...]]) -> dict[str
         for key in fh.keys():
             name = key[len(PREFIX):]
             if key.startswith(PREFIX) and name in shapes:
-                t = fh.get_tensor(key)
+                t = _tensor(fh, key, load)
                 if tuple(t.shape) != tuple(shapes[name]):
                     raise ConfigError(f"{st}: {key} is {list(t.shape)}; the critic's {name} is {list(shapes[name])}")
                 out[name] = t.to(torch.float64)
@@ -198,15 +206,13 @@ def gather_canonical(aset, parallel, grads: bool = False) -> dict[str, tuple[tor
     mine = {}
     for name, lora in sorted(aset.items()):
         site = aset.sites[name]
-        val = lambda p: _value(p, grads)  # noqa: E731
-
-        A = val(lora.A)
+        A = _value(lora.A, grads)
         if site.kind == "row":
             A = _whole(A, 1, tp_group)
         out = site.shape[0]
         B = torch.zeros(out, lora.rank, dtype=A.dtype)
         for i, part in enumerate(site.parts):
-            b = val(lora.B[str(i)])
+            b = _value(lora.B[str(i)], grads)
             if site.kind == "column":
                 b = _whole(b, 0, tp_group)
             B[part.rows[0]:part.rows[1]] = b[:part.rows[1] - part.rows[0]].cpu()  # lm_head: the padded rows go

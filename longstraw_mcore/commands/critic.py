@@ -75,14 +75,20 @@ def critic_config(cfg, path: str | None, adapter_path: str | None = None):
     ccfg = _critic_config(cfg, path)
     if ccfg is None or adapter_path is None:
         return ccfg
+    adapter, _, _ = read_critic_adapter(ccfg, adapter_path, load=False)  # (checked from the file's header)
+    adapter.check_against(ccfg.model.projection_shapes(), ccfg.model.family)
+    return dataclasses.replace(ccfg, adapter=adapter)
+
+
+def read_critic_adapter(ccfg, path: str, load: bool = True):
+    """A critic's PEFT directory against the critic of `ccfg`: (its adapter section, {module: (A, B)}, its
+    value head's whole tensors); `load` False: the checks alone, from the file's header (peft_io.read_peft)."""
     from longstraw_mcore.adapters.peft_io import CRITIC_SAVED_NAMES, read_peft, read_saved, saved_shapes
     from longstraw_mcore.families import get_family
 
     sites = get_family(ccfg.model.family).checkpoint.adapter_sites(ccfg.model)
-    adapter, _ = read_peft(adapter_path, sites, ccfg.adapter, saved=CRITIC_SAVED_NAMES)
-    adapter.check_against(ccfg.model.projection_shapes(), ccfg.model.family)
-    read_saved(adapter_path, saved_shapes(ccfg.model))  # (its value head's shapes, checked before model work)
-    return dataclasses.replace(ccfg, adapter=adapter)
+    adapter, canonical = read_peft(path, sites, ccfg.adapter, saved=CRITIC_SAVED_NAMES, load=load)
+    return adapter, canonical, read_saved(path, saved_shapes(ccfg.model), load=load)
 
 
 def _critic_config(cfg, path: str | None):
@@ -149,15 +155,13 @@ def build_second(cfg2, par, path: str, what: str, trainable: bool, policy=None, 
 
 def _attach_critic_adapters(cfg2, par, model, what: str, adapter_path: str | None) -> None:
     from longstraw_mcore.adapters.attach import attach
-    from longstraw_mcore.adapters.peft_io import CRITIC_SAVED_NAMES, read_peft, read_saved, saved_shapes
     from longstraw_mcore.commands.common import rank0_print
     from longstraw_mcore.families import get_family
 
     sites = get_family(cfg2.model.family).checkpoint.adapter_sites(cfg2.model)
     canonical = whole = None
     if adapter_path is not None:
-        _, canonical = read_peft(adapter_path, sites, cfg2.adapter, saved=CRITIC_SAVED_NAMES)
-        whole = read_saved(adapter_path, saved_shapes(cfg2.model))
+        _, canonical, whole = read_critic_adapter(cfg2, adapter_path)
     # seed + 1: the critic's new A factors are not the policy's
     aset = attach(model, sites, cfg2.adapter, par, cfg2.seed + 1, canonical, None, whole)
     a = cfg2.adapter

@@ -35,12 +35,12 @@ OPTIMIZER_DIR = "optimizer"
 STATES = ("exp_avg", "exp_avg_sq")
 
 
-def supported(opt, model, cfg) -> str | None:
-    """None when this run's optimizer state can be written layout-free; else why not (`model`'s own adapters
-    count too: a critic's, under the policy's `cfg`)."""
+def supported(opt, model) -> str | None:
+    """None when `model`'s optimizer state can be written layout-free; else why not (read off the model: a
+    policy's adapters and a critic's alike)."""
     from longstraw_mcore.adapters.attach import adapter_set
 
-    if cfg.adapter.enabled or adapter_set(model) is not None:
+    if adapter_set(model) is not None:
         return "adapters (their optimizer state stays per rank)"
     return None
 

@@ -288,12 +288,12 @@ class Trainer:
 
         if self.critic is not None:
             holder, opt = self.critic
-            free = supported(opt, holder.module, self.cfg) is None
+            free = supported(opt, holder.module) is None
             save_step(Path(root) / CRITIC_DIR, self.step, holder.module, _torch_optimizers(opt),
                       holder.module.model_cfg, self.par.layout(), [], {"head": "token_value"}, fault=fault,
                       rank_extra=opt.extra_state() if hasattr(opt, "extra_state") and not free else None,
                       optimizer=opt if free else None)
-        layout_free = supported(self.opt, self.ddp.module, self.cfg) is None
+        layout_free = supported(self.opt, self.ddp.module) is None
         extra = self.opt.extra_state() if hasattr(self.opt, "extra_state") and not layout_free else None
         return save_step(root, self.step, self.ddp.module, _torch_optimizers(self.opt), self.cfg.model,
                          self.par.layout(), self.history, {"run_config": asdict(self.cfg), **self._source_state()},
@@ -331,7 +331,7 @@ class Trainer:
             _, meta = read_checkpoint_meta(path)
             metas.append(meta)
             if meta.get("layout") != self.par.layout():
-                why = supported(self.opt, self.ddp.module, self.cfg)
+                why = supported(self.opt, self.ddp.module)
                 if why is not None or not (path / OPTIMIZER_DIR).is_dir():
                     raise ConfigError(f"--resume: checkpoint {path} was written at layout {meta.get('layout')}, this "
                                       f"run is {self.par.layout()}; its optimizer state resumes only at the same "
