@@ -117,16 +117,18 @@ class GlmDsaConfig(ModelBase):
             valid = [e for e in range(1, self.n_routed_experts + 1) if self.n_routed_experts % e == 0 and e <= 64]
             raise ConfigError(f"model.n_routed_experts={self.n_routed_experts} is not divisible by parallel.ep={p.ep}; "
                               f"expert parallel sizes that divide it: {valid}")
-        if self.num_layers < p.pp:
-            raise ConfigError(f"parallel.pp={p.pp} exceeds model.num_layers={self.num_layers}")
-        stages = p.stage_layers(self.num_layers)
+        if self.num_layers < p.pp * p.vpp:
+            raise ConfigError(f"parallel.pp={p.pp}" + (f" x parallel.vpp={p.vpp}" if p.vpp > 1 else "")
+                              + f" exceeds model.num_layers={self.num_layers}")
+        stages = p.virtual_stage_layers(self.num_layers)  # (at vpp > 1 each model chunk is a stage of its own)
         starts = [sum(stages[:s]) for s in range(1, len(stages))]
         bad = [i for i in starts if self.indexer_types[i] != "full"]
         if bad:  # IndexShare stays inside a stage: a shared layer reads the top-k of a full layer before it
             full = [i for i, t in enumerate(self.indexer_types) if t == "full" and i > 0]
-            raise ConfigError(f"parallel.pp_layers={stages}: stage(s) would start at layer(s) {bad}, which reuse the "
-                              f"previous layer's top-k (IndexShare 'shared'); a stage must start at a full indexer "
-                              f"layer: one of {full[:12]}{' ...' if len(full) > 12 else ''}")
+            raise ConfigError(f"parallel.pp_layers={stages}: {'virtual ' if p.vpp > 1 else ''}stage(s) would start "
+                              f"at layer(s) {bad}, which reuse the previous layer's top-k (IndexShare 'shared'); a "
+                              f"stage must start at a full indexer layer: one of {full[:12]}"
+                              f"{' ...' if len(full) > 12 else ''}")
 
     def describe(self) -> str:
         """One line of what the layers are, for logs."""

@@ -21,3 +21,10 @@ class Family:
     architectures: tuple[str, ...]
     layers: dict
     """Layer type (as `ModelConfig.layer_types` names it) -> its `LayerKind` record."""
+
+    def build_rank(self, model_cfg, parallel, device: str, head: str = "lm"):
+        """This rank's model: `build_model`'s, or at parallel.vpp > 1 the list of its model chunks (chunk v
+        holds virtual stage v x pp + rank), which Megatron's interleaved schedule and the replay engine take."""
+        if parallel.vpp == 1:
+            return self.build_model(model_cfg, parallel, device, head=head)
+        return [self.build_model(model_cfg, parallel, device, head=head, vp_stage=v) for v in range(parallel.vpp)]

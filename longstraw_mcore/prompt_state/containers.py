@@ -74,15 +74,20 @@ class PromptState:
         for st in self.layers.values():
             st.release_grad()
 
-    def outputs(self, chunk: int) -> list[torch.Tensor]:
-        return [t for st in self.layers.values() for t in st.outputs(chunk)]
+    # `only`: the layer numbers of one model chunk (parallel.vpp > 1: a rank's chunks share one state, and each
+    # chunk's sweep runs its own layers' part; replay/pipeline.py), None: every layer of this rank
+    def _of(self, only) -> list:
+        return list(self.layers.values()) if only is None else [self.layers[n] for n in only]
 
-    def seed_grads(self, chunk: int) -> list[torch.Tensor]:
+    def outputs(self, chunk: int, only=None) -> list[torch.Tensor]:
+        return [t for st in self._of(only) for t in st.outputs(chunk)]
+
+    def seed_grads(self, chunk: int, only=None) -> list[torch.Tensor]:
         """In the order of `outputs(chunk)`; read at the chunk's backward (prompt_state/base.py)."""
-        return [g for st in self.layers.values() for g in st.seed_grads(chunk)]
+        return [g for st in self._of(only) for g in st.seed_grads(chunk)]
 
-    def finish_chunk(self, chunk: int) -> None:
-        for st in self.layers.values():
+    def finish_chunk(self, chunk: int, only=None) -> None:
+        for st in self._of(only):
             st.finish_chunk(chunk)
 
 

@@ -46,7 +46,7 @@ def execute(model, plan: list[Step], g: GroupInputs, state: PromptState | None =
     if g.watch is not None:
         g.watch.begin(plan, g.responses)
     if state is None:
-        state = new_state(core, plan, g, layout)
+        state = new_state(model, plan, g, layout)
     run = execute_pipeline if core.pg_collection.pp.size() > 1 else execute_local
     return run(model, with_transitions(plan, state_grad), g, state, layout)
 

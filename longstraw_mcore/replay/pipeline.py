@@ -117,9 +117,12 @@ def schedule(model, pgs, config, data: list, forward_step, forward_only: bool, s
 
         if vpp > 1:
             pp = pgs.pp.size()
-            if len(data) % pp:  # (Megatron refuses a last group of micro-batches smaller than pp)
+            if interleaved_padding(len(data), pp, vpp, forward_only):  # (Megatron refuses a last group smaller
+                # than pp, and hangs where rank 0 has no steady state: `interleaved_padding`)
                 raise ValueError(f"{len(data)} micro-batches through {pp} pipeline ranks x {vpp} model chunks: the "
-                                 f"interleaved schedule takes them {pp} at a time, so a multiple of {pp}")
+                                 f"interleaved schedule takes them {pp} at a time, so a multiple of {pp}"
+                                 + ("" if forward_only else f", and more than {(2 * (pp - 1) + (vpp - 1) * pp) // vpp}"
+                                                            " with a backward"))
             from longstraw_mcore.parallel import p2p_shapes
 
             p2p_shapes.install()  # (pp = 2: both directions' shapes to one peer; parallel/p2p_shapes.py)
@@ -127,29 +130,68 @@ def schedule(model, pgs, config, data: list, forward_step, forward_only: bool, s
     return get_forward_backward_func(pp_size=pgs.pp.size(), vp_size=vpp if vpp > 1 else None)(**kwargs)
 
 
-def _replay_schedule(core, model, steps: list[Step], forward_step, forward_only: bool) -> None:
+def _idle(core, n: int, forward_only: bool):
+    """A micro-batch that only fills the interleaved schedule's last group of pp (Megatron takes them pp at a
+    time): a [1, 1, Hd] zero hidden state through every stage unchanged, a zero loss (no gradient)."""
+    if core.pre_process:
+        x = torch.zeros(1, 1, core.config.hidden_size, dtype=core.config.pipeline_dtype or core.config.params_dtype,
+                        device=next(core.parameters()).device, requires_grad=not forward_only)
+    else:
+        x = core.decoder.input_tensor
+    out = x.clone()
+    return out, lambda o: _loss(o.sum() * 0, n)
+
+
+def interleaved_padding(n: int, pp: int, vpp: int, forward_only: bool) -> int:
+    """Idle micro-batches that fill `n` for Megatron's interleaved schedule (none at vpp = 1): up to a multiple
+    of pp (it takes them pp at a time), and with a backward beyond its warm-up on every rank, 2 (pp - 1) +
+    (vpp - 1) pp chunk forwards on rank 0 (measured on Megatron-Core 0.19.2, gloo, pp = 2 x vpp = 2: two
+    micro-batches, all warm-up on rank 0, left the ranks waiting on each other's p2p forever)."""
+    if vpp == 1:
+        return 0
+    need = n if forward_only else max(n, (2 * (pp - 1) + (vpp - 1) * pp) // vpp + 1)
+    return -(-need // pp) * pp - n
+
+
+def _replay_schedule(model, steps: list[Step], forward_step, forward_only: bool) -> None:
+    """`steps` through Megatron's schedule: `forward_step(step, v, n)` runs step on this rank's model chunk v
+    (0 at parallel.vpp = 1) of n micro-batches. With model chunks the steps are padded with idle
+    micro-batches to a multiple of pp (`_idle`)."""
+    chunks = model if isinstance(model, list) else [model]
+    cores = S.cores_of(model)
+    core = cores[0]
     assert core.config.variable_seq_lengths, "pipeline replay needs variable_seq_lengths (models set it at pp > 1)"
-    schedule(model, core.pg_collection, core.config, steps, forward_step, forward_only)
+    pad = interleaved_padding(len(steps), core.pg_collection.pp.size(), len(chunks), forward_only)
+    steps = list(steps) + [Step("idle", i) for i in range(pad)]
+    which = {id(m): v for v, m in enumerate(chunks)}
+
+    def step_fn(data_iterator, model_):
+        step, v = next(data_iterator), which[id(model_)]
+        n = len(steps)  # (Megatron divides each loss by it: `_loss`)
+        return _idle(cores[v], n, forward_only) if step.phase == "idle" else forward_step(step, v, n)
+
+    schedule(model, core.pg_collection, core.config, steps, step_fn, forward_only)
 
 
 def forward_once(model, forward, read):
-    """One forward-only micro-batch through the pipeline (no autograd): `forward()` runs this stage's
-    layers (its input arrives from the previous stage, its output goes to the next); on the last
-    stage `read(output)` takes what it needs. Returns read's value on the last stage, None elsewhere."""
-    core = S.core_of(model)
+    """One forward-only micro-batch through the pipeline (no autograd): `forward(core)` runs the layers of
+    this stage's model chunk `core` (its input arrives from the previous stage, its output goes to the
+    next); on the last stage `read(core, output)` takes what it needs. Returns read's value on the last
+    stage, None elsewhere."""
+    cores = S.cores_of(model)
     box = []
 
-    def forward_step(data_iterator, model_):
-        next(data_iterator)
-        out = forward()
+    def forward_step(step, v, n):
+        core = cores[v]
+        out = forward(core)
 
         def loss(hidden):
-            box.append(read(hidden))
+            box.append(read(core, hidden))
             return _loss(hidden.new_zeros(()), 1)
 
         return out, loss
 
-    _replay_schedule(core, model, [None], forward_step, forward_only=True)
+    _replay_schedule(model, [Step("replay", 0)], forward_step, forward_only=True)
     return box[0] if box else None
 
 
@@ -178,19 +220,19 @@ def forward_backward(model, par, batches: list[torch.Tensor], loss_fn: Callable,
     return box[0]
 
 
-def _capture(core, model, steps: list[Step], g, state: PromptState, layout: CPLayout | None) -> None:
+def _capture(model, steps: list[Step], g, state: PromptState, layout: CPLayout | None) -> None:
     keep = g.cfg.mode == "exact"
-    n = len(steps)
+    cores = S.cores_of(model)
 
-    def forward_step(data_iterator, model_):
-        step = next(data_iterator)
+    def forward_step(step, v, n):
+        core = cores[v]
         out = S.capture_chunk(core, state, step, g, layout, keep)
         if g.watch is not None and core.pre_process:
             g.watch.done(step)
         out = out if out is not None else torch.zeros((), device=next(core.parameters()).device)  # last stage
         return out, lambda _: _loss(out.new_zeros(()), n)
 
-    _replay_schedule(core, model, steps, forward_step, forward_only=True)
+    _replay_schedule(model, steps, forward_step, forward_only=True)
 
 
 class _Cut(torch.autograd.Function):
@@ -234,39 +276,44 @@ class _Bridge(torch.autograd.Function):
         return None, None, g_in if g_in is not None else grad.new_zeros(ctx.anchor_shape), None
 
 
-def _replay_and_sweep(core, model, steps: list[Step], g, state: PromptState, layout: CPLayout | None) -> dict:
+def _replay_and_sweep(model, steps: list[Step], g, state: PromptState, layout: CPLayout | None) -> dict:
     """Replay micro-batches (a prefix tree's segments among them), then (exact mode) the chunks'
-    recomputes, in one schedule; returns the branch results on the last stage (empty elsewhere)."""
+    recomputes, in one schedule; returns the branch results on the last stage (empty elsewhere). Each of
+    this rank's model chunks (parallel.vpp) runs every step on its layers: its own path of live segments,
+    its own part of the sweep's seeds (the state is the rank's, keyed by layer)."""
     from longstraw_mcore.prompt_state.contexts import SegmentContext
     from longstraw_mcore.prompt_state.segments import SegmentPath
 
     grad = g.loss_fn is not None
-    device = next(core.parameters()).device
-    n = len(steps)
+    wrappers = model if isinstance(model, list) else [model]
+    cores = S.cores_of(model)
+    layers = [list(c.state_kinds()) for c in cores]
+    device = next(cores[0].parameters()).device
     results: dict[int, S.BranchResult] = {}
-    live: list = []  # the segments on the path of the micro-batch forwarded next (forward order)
+    live: list[list] = [[] for _ in cores]  # per chunk, the segments on the path of the micro-batch it forwards next
 
-    def snapshot() -> SegmentPath:
+    def snapshot(v) -> SegmentPath:
         path = SegmentPath()
-        path.stack = list(live)
+        path.stack = list(live[v])
         return path
 
-    def step_done(chunk: int | None):
+    def step_done(v, chunk: int | None):
         def done():
             if chunk is not None:
-                state.finish_chunk(chunk)
-            S.micro_step_done(model)
+                state.finish_chunk(chunk, layers[v])
+            S.micro_step_done(wrappers[v])
         return done
 
-    def segment(step):
+    def segment(step, v, n):
+        core = cores[v]
         ids, tgt, seg = S.segment_inputs(state, step, g, device)
-        path = snapshot()
+        path = snapshot(v)
         with torch.set_grad_enabled(grad):
             seg.stage_input = None if core.pre_process else core.decoder.input_tensor
             out = core.forward_hidden(ids, SegmentContext(state, path, seg, layout))
         seg.seal(None, grad)
         seg.stage_output = out
-        live.append(seg)
+        live[v].append(seg)
         # (detached: an edge into the kept graph would let this backward walk into it)
         sent = _Cut.apply(_anchor(core, device), out.detach()) if grad else out
 
@@ -277,9 +324,10 @@ def _replay_and_sweep(core, model, steps: list[Step], g, state: PromptState, lay
 
         return sent, loss
 
-    def segment_backward(step):
-        path = snapshot()
-        seg = live.pop()
+    def segment_backward(step, v, n):
+        core = cores[v]
+        path = snapshot(v)
+        seg = live[v].pop()
         terminal = {}
 
         def run(grad_out):
@@ -296,7 +344,7 @@ def _replay_and_sweep(core, model, steps: list[Step], g, state: PromptState, lay
             return None if seg.stage_input is None else seg.stage_input.grad
 
         like = seg.stage_output.detach() if not core.post_process else torch.zeros((), device=device)
-        out = _Bridge.apply(run, step_done(None), _anchor(core, device), like) if grad else like
+        out = _Bridge.apply(run, step_done(v, None), _anchor(core, device), like) if grad else like
 
         def loss(hidden):
             with torch.set_grad_enabled(grad):
@@ -306,38 +354,40 @@ def _replay_and_sweep(core, model, steps: list[Step], g, state: PromptState, lay
 
         return out, loss
 
-    def forward_step(data_iterator, model_):
-        step = next(data_iterator)
-        if g.watch is not None and core.pre_process:  # progress, counted at the first stage's forwards
-            g.watch.done(step)
-        if step.phase == "segment":
-            return segment(step)
-        if step.phase == "segment_backward":
-            return segment_backward(step)
-        if step.phase == "replay":
-            path = snapshot()
-            ids, tgt = S.replay_inputs(g, step.branches, device, step.span[0])
+    def replay(step, v, n):
+        core = cores[v]
+        path = snapshot(v)
+        ids, tgt = S.replay_inputs(g, step.branches, device, step.span[0])
+        with torch.set_grad_enabled(grad):
+            out = core.forward_hidden(ids, S.replay_context(core, state, step, g, layout, grad, path))
+            if grad:
+                out = _StageOutput.apply(None, step_done(v, None), out)
+
+        def loss(hidden):
             with torch.set_grad_enabled(grad):
-                out = core.forward_hidden(ids, S.replay_context(core, state, step, g, layout, grad, path))
-                if grad:
-                    out = _StageOutput.apply(None, step_done(None), out)
+                total, res = S.branch_losses(core, hidden, tgt, step, g, path)
+            results.update(res)
+            return _loss(total if grad else hidden.new_zeros(()), n)
 
-            def loss(hidden):
-                with torch.set_grad_enabled(grad):
-                    total, res = S.branch_losses(core, hidden, tgt, step, g, path)
-                results.update(res)
-                return _loss(total if grad else hidden.new_zeros(()), n)
+        return out, loss
 
-            return out, loss
-        assert step.phase == "prompt_backward", step.phase
-        c = step.index
+    def prompt_backward(step, v, n):
+        core, c, only = cores[v], step.index, layers[v]
         with torch.enable_grad():
             hidden = S.recompute_chunk(core, state, step, g, layout)
             x = hidden if hidden is not None else torch.zeros((), device=device)  # last stage: state only
-            out = _StageOutput.apply(lambda: S.chunk_seeds(state, c, layout), step_done(c), x, *state.outputs(c))
+            out = _StageOutput.apply(lambda: S.chunk_seeds(state, c, layout, only), step_done(v, c), x,
+                                     *state.outputs(c, only))
         return out, lambda o: _loss(o, n)
 
-    _replay_schedule(core, model, steps, forward_step, forward_only=not grad)
+    run = dict(segment=segment, segment_backward=segment_backward, replay=replay, prompt_backward=prompt_backward)
+
+    def forward_step(step, v, n):
+        if g.watch is not None and cores[v].pre_process:  # progress, counted at the first stage's forwards
+            g.watch.done(step)
+        return run[step.phase](step, v, n)
+
+    _replay_schedule(model, steps, forward_step, forward_only=not grad)
     return results
 
 
@@ -345,7 +395,7 @@ def execute_pipeline(model, plan: list[Step], g, state: PromptState, layout: CPL
     """`plan` (transitions included) at pipeline size > 1: consecutive capture steps as one forward-only
     schedule, consecutive replay / prompt-backward steps as one 1F1B schedule, transitions in between;
     returns (results by branch on every rank, state, seconds per phase)."""
-    core = S.core_of(model)
+    core = S.core_of(model)  # (a rank's model chunks: its first, for the process groups)
     seconds: dict[str, float] = {}
     results: dict = {}
     replayed = False
@@ -365,10 +415,10 @@ def execute_pipeline(model, plan: list[Step], g, state: PromptState, layout: CPL
             while j < len(plan) and plan[j].phase in work:
                 j += 1
             if step.phase == "capture":
-                _capture(core, model, plan[i:j], g, state, layout)
+                _capture(model, plan[i:j], g, state, layout)
                 phase = "capture"
             else:
-                results.update(_replay_and_sweep(core, model, plan[i:j], g, state, layout))
+                results.update(_replay_and_sweep(model, plan[i:j], g, state, layout))
                 phase, replayed = "replay", True  # replay and sweep interleave on a stage
             i = j
         seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - t0

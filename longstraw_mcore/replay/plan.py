@@ -53,7 +53,7 @@ TRANSITIONS = ("finish_capture", "enable_grad", "release_grad")
 @dataclass(frozen=True)
 class Step:
     phase: Literal["capture", "replay", "prompt_backward", "finish_capture", "enable_grad", "release_grad",
-                   "segment", "segment_backward"]
+                   "segment", "segment_backward", "idle"]  # idle: a pipeline's filler (replay/pipeline.py)
     index: int                                  # capture chunk, replay micro-step, or prefix-tree node
     span: tuple[int, int] = (0, 0)              # prompt token range of a chunk; a segment's response depths
     # [a, b); (depth, 0) for a replay step: the response tokens its prefix-tree path covers (0: flat)

@@ -34,8 +34,17 @@ from longstraw_mcore.replay.plan import Step
 
 
 def core_of(model):
-    """The model behind a DDP wrapper: the replay interface lives there (DDP's forward only calls it)."""
+    """The model behind a DDP wrapper: the replay interface lives there (DDP's forward only calls it). A rank's
+    list of model chunks (parallel.vpp > 1): its first chunk's, for what the chunks share (process groups,
+    device, adapters' settings, the model config); `cores_of` for the layers."""
+    if isinstance(model, list):
+        model = model[0]
     return getattr(model, "module", model)
+
+
+def cores_of(model) -> list:
+    """This rank's model chunks (one at parallel.vpp = 1), each behind its DDP wrapper's `module`."""
+    return [core_of(m) for m in (model if isinstance(model, list) else [model])]
 
 
 @dataclass
@@ -70,8 +79,11 @@ def stores_attention_probs(model, captured: int, cfg: ReplayConfig, batch: int, 
     return need <= cfg.attn_probs_budget_mib * 2**20
 
 
-def new_state(core, plan: list[Step], g: GroupInputs, layout: CPLayout | None) -> PromptState:
-    """This rank's empty state for the plan's capture chunks (its layers; under CP its share)."""
+def new_state(model, plan: list[Step], g: GroupInputs, layout: CPLayout | None) -> PromptState:
+    """This rank's empty state for the plan's capture chunks (its layers, those of all its model chunks at
+    parallel.vpp > 1; under CP its share)."""
+    core = core_of(model)
+    kinds = {n: k for c in cores_of(model) for n, k in c.state_kinds().items()}
     cp, rank = (layout.size, layout.rank) if layout is not None else (1, 0)
     if layout is not None and 0 < g.prefix.shape[1] < cp:
         raise ValueError(f"a prompt of {g.prefix.shape[1] + 1} tokens is too short for {cp} context-parallel "
@@ -81,13 +93,12 @@ def new_state(core, plan: list[Step], g: GroupInputs, layout: CPLayout | None) -
     device = next(core.parameters()).device
     mcfg = getattr(core, "memory", None)
     if mcfg is None or not mcfg.stages_state:
-        return allocate(core.state_kinds(), core.model_cfg, core.tp_size, local, device, kv=core.kv_group,
-                        spans=spans, cp=(cp, rank))
+        return allocate(kinds, core.model_cfg, core.tp_size, local, device, kv=core.kv_group, spans=spans,
+                        cp=(cp, rank))
     from longstraw_mcore.memory.staging import place
 
     # memory.state_offload / state_dtype=fp8: shapes first (meta), then each staged tensor's home
-    state = allocate(core.state_kinds(), core.model_cfg, core.tp_size, local, "meta", kv=core.kv_group, spans=spans,
-                     cp=(cp, rank))
+    state = allocate(kinds, core.model_cfg, core.tp_size, local, "meta", kv=core.kv_group, spans=spans, cp=(cp, rank))
     place(state, mcfg, device)
     return state
 
@@ -150,9 +161,10 @@ def capture_chunk(core, state: PromptState, step: Step, g: GroupInputs, layout: 
     chunk for its recompute."""
     s0, s1 = step.span
     cp, rank = (layout.size, layout.rank) if layout is not None else (1, 0)
-    ls0 = state.local_bounds[-1][1] if state.local_bounds else 0
-    state.chunk_bounds.append(step.span)
-    state.local_bounds.append((ls0, ls0 + local_count(s1 - s0, cp, rank)))
+    if len(state.chunk_bounds) == step.index:  # (once: a rank's model chunks share the state, parallel.vpp > 1)
+        ls0 = state.local_bounds[-1][1] if state.local_bounds else 0
+        state.chunk_bounds.append(step.span)
+        state.local_bounds.append((ls0, ls0 + local_count(s1 - s0, cp, rank)))
     with torch.no_grad(), prompt_adapters(core):
         out = core.forward_state(chunk_ids(g, step.span, layout), CaptureContext(state, step.index, keep, layout))
     state.length = s1
@@ -333,11 +345,11 @@ def recompute_chunk(core, state: PromptState, step: Step, g: GroupInputs, layout
         return core.forward_state(chunk_ids(g, step.span, layout), RecomputeContext(state, step.index, layout))
 
 
-def chunk_seeds(state: PromptState, chunk: int, layout: CPLayout | None) -> list[torch.Tensor]:
+def chunk_seeds(state: PromptState, chunk: int, layout: CPLayout | None, only=None) -> list[torch.Tensor]:
     """The gradients a chunk's recompute is seeded with (scaled by CP: each rank recomputes 1/n of the
-    chunk's tokens, see prompt_state/contexts.py)."""
-    grads = state.seed_grads(chunk)  # (host tensors with memory.state_offload: moved to the outputs' device)
-    outs = state.outputs(chunk)
+    chunk's tokens, see prompt_state/contexts.py); `only`: one model chunk's layers (PromptState.outputs)."""
+    grads = state.seed_grads(chunk, only)  # (host tensors with memory.state_offload: moved to the outputs' device)
+    outs = state.outputs(chunk, only)
     grads = [g.to(o.device) for g, o in zip(grads, outs)]
     return grads if layout is None else [x * layout.size for x in grads]
 

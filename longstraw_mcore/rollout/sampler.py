@@ -92,7 +92,7 @@ def _next_tokens(model, core, ids, ctx, cfg: RolloutConfig, u: torch.Tensor):
 
         from longstraw_mcore.replay.pipeline import forward_once
 
-        picked = forward_once(model, lambda: core.forward_hidden(ids, ctx), lambda h: _pick(core, h, cfg, u))
+        picked = forward_once(model, lambda c: c.forward_hidden(ids, ctx), lambda c, h: _pick(c, h, cfg, u))
         if picked is None:
             picked = torch.empty(2, ids.shape[0], dtype=torch.float64, device=ids.device)
         dist.broadcast(picked, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)

@@ -61,7 +61,7 @@ def record_segment(model, core, state, layout, path: list, start: int, inputs: l
     else:
         from longstraw_mcore.replay.pipeline import forward_once
 
-        forward_once(model, lambda: core.forward_hidden(ids, ctx), lambda h: None)
+        forward_once(model, lambda c: c.forward_hidden(ids, ctx), lambda c, h: None)
     seg.seal(None, grad=False)
     return seg
 

@@ -76,6 +76,12 @@ def gradients_finite(holder, par) -> bool:
 
 
 def wrap_ddp(model, cfg: RunConfig, par):
+    """Megatron DDP around this rank's model, or around each of its model chunks (a list at parallel.vpp > 1:
+    a list back; the schedule's no_sync then covers every chunk)."""
+    if isinstance(model, list):
+        ddps = [wrap_ddp(c, cfg, par) for c in model]
+        model[0].config.no_sync_func = [d.no_sync for d in ddps]  # (Megatron's interleaved schedule reads chunk 0's)
+        return ddps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     if cfg.uses_distributed_optimizer() and cfg.model.dtype == "float64":

@@ -21,24 +21,24 @@ from longstraw_mcore.launch_local import run_ranks
 D64 = torch.float64
 
 
-def _configs(topk: int, first_dense: int = 1):
+def _configs(topk: int, first_dense: int = 1, layers: int = 4):
     from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as M
 
     from longstraw_mcore.config import GlmDsaConfig
 
-    types = GlmDsaConfig.index_share_schedule(4, 2, 2)
-    assert types == ["full", "full", "shared", "full"]
+    types = GlmDsaConfig.index_share_schedule(layers, 2, 2)
+    assert types == ["full", "full", "shared", "full", "shared", "full"][:layers]
     kw = dict(vocab_size=80, hidden_size=32, intermediate_size=48, num_attention_heads=4, q_lora_rank=16,
               kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, index_n_heads=8,
               index_head_dim=8, index_topk=topk, first_k_dense_replace=first_dense, n_routed_experts=6,
               num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=10, routed_scaling_factor=2.5,
               rope_theta=10000.0, rms_norm_eps=1e-5)
     hf = M.GlmMoeDsaConfig(**{k: v for k, v in kw.items() if k != "rms_norm_eps"}, rms_norm_eps=1e-5,
-                           num_hidden_layers=4, num_key_value_heads=4, indexer_types=types, n_group=1, topk_group=1,
+                           num_hidden_layers=layers, num_key_value_heads=4, indexer_types=types, n_group=1, topk_group=1,
                            norm_topk_prob=True, tie_word_embeddings=False, attention_bias=False)
     hf._attn_implementation = "eager"
     hf._experts_implementation = "eager"  # the per-expert loop (grouped_mm has no float64)
-    ours = GlmDsaConfig(**kw, num_layers=4, indexer_types=types, dtype="float64")
+    ours = GlmDsaConfig(**kw, num_layers=layers, indexer_types=types, dtype="float64")
     return hf, ours
 
 
