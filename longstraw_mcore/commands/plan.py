@@ -74,7 +74,8 @@ def plan(cfg, P: int, R: int, G: int, gpus: int, device: str, device_gib: float 
            "activations_by_phase_last_stage": phase_bytes(family, cfg, P, R, G, _last_stage(cfg), True),
            "inputs": {"family": cfg.model.family, "prompt_len": P, "response_len": R, "group_size": G, "gpus": gpus,
                       "gpus_per_node": per_node,
-                      "layout": {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "dp": p.dp_for(gpus),
+                      "layout": {"tp": p.tp, "pp": p.pp, **({"vpp": p.vpp} if p.vpp > 1 else {}), "cp": p.cp,
+                                 "ep": p.ep, "dp": p.dp_for(gpus),
                                  **({"gdn": gdn} if (gdn := gdn_path(cfg.model, p.tp, p.cp)) else {})},
                       "mode": cfg.replay.mode, "device": dev.name, "efficiency": efficiency,
                       "kernels": run_kernels(cfg),
@@ -134,6 +135,11 @@ def table(res: dict) -> str:
         lines.append(f"efficiency figures from {res['efficiency_measured_on']} (planner/efficiency.py)")
     lines += [f"efficiency: kernels gdn={k['gdn']} attention={k['attention']} on CUDA; {n}"
               for n in res["efficiency_notes"]]
+    b = res["bubble"]
+    if b["schedule"] != "none":
+        idle = ", ".join(f"{ph} {f:.1%} of {b['micro_batches']['replay' if ph == 'replay' else 'capture']}"
+                         for ph, f in b["idle_fraction"].items())
+        lines.append(f"pipeline bubble ({b['schedule']}; idle fraction of a phase over its micro-batches): {idle}")
     lines.append(f"seconds per prompt group (total / dp {i['layout']['dp']}): {res['seconds_per_group']:,.1f} "
                  "(a model: planner/timing.py)")
     return "\n".join(lines)
@@ -198,9 +204,6 @@ def run(args) -> int:
     elif args.group_size is None or args.response_len is None:
         raise ConfigError("plan: give --response-len and --group-size, or --tree WIDTHS:LENGTHS")
     cfg = load_run_config(args)
-    from longstraw_mcore.commands.preflight import refuse_vpp
-
-    refuse_vpp(cfg, "plan")  # (its bubble is the 1F1B schedule's)
     if args.suggest:
         res, _ = _suggest(args, cfg)
     else:

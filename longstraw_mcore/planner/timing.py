@@ -16,14 +16,15 @@ replay.batch_tokens: replay/plan.py `even_micro_steps`, the executor's grouping;
 segments and its tails' micro-steps: planner/tree.py `tree_passes`), P_local = ceil((P - 1) / cp) + 1:
 
     capture          F_capture(P) / (pp cp) / peak_capture x bubble(n)
-    replay           F_replay(P_local) / pp / peak_replay x bubble(passes): every CP rank replays the
+    replay           F_replay(P_local) / pp / peak_replay x bubble(k): every CP rank replays the
                      branches whole against its shard of the prompt (partial attention merged by
-                     log-sum-exp)
-    prompt_backward  exact mode: F_sweep(P) / (pp cp) / peak_prompt_backward x bubble(n)
+                     log-sum-exp); k = passes, + n in exact mode (the replay and the sweep are one
+                     schedule, replay/pipeline.py, with one fill and drain)
+    prompt_backward  exact mode: F_sweep(P) / (pp cp) / peak_prompt_backward x bubble(k)
     recompute        memory.recompute=layer: the branches' layers run forward again in the backward,
-                     F_forward(P_local) / pp x bubble(passes) (forward_flops), and in exact mode every
-                     chunk's too, F_capture(P) / (pp cp) x bubble(n) (its forward), all / peak_recompute
-                     (the table gives recompute the capture's figure: forward work)
+                     F_forward(P_local) / pp (forward_flops), and in exact mode every chunk's too,
+                     F_capture(P) / (pp cp) (its forward), all / peak_recompute x bubble(k) (the table
+                     gives recompute the capture's figure: forward work)
     state_transfer   memory.state_offload: bytes over PCIe / PCIE_BYTES_PER_S, with S this rank's
                      host-resident state (as stored: model dtype or fp8) and Sg its host-resident
                      state gradient (exact mode):
@@ -39,7 +40,8 @@ segments and its tails' micro-steps: planner/tree.py `tree_passes`), P_local = c
                      CPU Adam over the shard's state and gradient ((O + Gh) / CPU_ADAM_BYTES_PER_S), the
                      updated parameters back (Gh / 4 x e / PCIe); O, Gh: the plan's host optimizer and
                      optimizer_grads
-    bubble(k)        (k + pp - 1) / k: 1F1B's fill and drain for k micro-batches through pp stages
+    bubble(k)        (k + pp - 1) / k: 1F1B's fill and drain for k micro-batches through pp stages; with
+                     parallel.vpp model chunks per rank (interleaved) (vpp k + pp - 1) / (vpp k)
 
 total = their sum; per group = total / dp. Not modelled: TP / CP / EP collectives and data-parallel
 reductions (so micro_step costs nothing here), fp8 dequantization (on the device, memory-bound), the
@@ -52,7 +54,7 @@ from __future__ import annotations
 from longstraw_mcore.planner.activations import _elem
 from longstraw_mcore.planner.efficiency import for_run
 from longstraw_mcore.planner.memo import kept
-from longstraw_mcore.replay.plan import even_micro_steps
+from longstraw_mcore.replay.plan import even_micro_steps, interleaved_padding
 
 PCIE_BYTES_PER_S = 25e9
 """Host <-> device per GPU, effective. H20 sits on PCIe Gen5 x16 (64 GB/s per direction nominal, ~50 GB/s
@@ -82,14 +84,20 @@ def _branches(family, m, P: int, lengths: list[int], exact: bool, tp: int, batch
                           forward_flops(family.layers, m, P, lengths, tp, batch_tokens)))
 
 
-def bubble(k: int, pp: int) -> float:
-    """1F1B's fill and drain: k micro-batches through pp stages take (k + pp - 1) / k of their work."""
-    return (k + pp - 1) / k if k > 0 else 1.0
+def bubble(k: int, pp: int, vpp: int = 1) -> float:
+    """The pipeline's fill and drain: k micro-batches through pp stages take (k + pp - 1) / k of their work
+    under 1F1B; with vpp model chunks per rank (Megatron's interleaved schedule) a chunk's forward or
+    backward is 1/vpp of a stage's, so (vpp k + pp - 1) / (vpp k)."""
+    return (vpp * k + pp - 1) / (vpp * k) if k > 0 else 1.0
 
 
 def in_flight(cfg, P: int, R: int, G: int, stage: range) -> int:
-    """Micro-batches the pipeline stage holding `stage` keeps for their backward at once under 1F1B:
-    min(pp - s, passes + exact chunks); 1 without pipeline parallelism."""
+    """Micro-batches the pipeline stage holding `stage` keeps for their backward at once: under 1F1B
+    min(pp - s, passes + exact chunks); 1 without pipeline parallelism. Interleaved (parallel.vpp > 1),
+    Megatron's warm-up of 2 (pp - s - 1) + (vpp - 1) pp chunk forwards and one more, each 1/vpp of the
+    stage's layers (the micro-batches padded as replay/plan.py `interleaved_padding` pads them), in whole
+    stages: ceil(chunks / vpp). (At vpp > 1 the planner counts a rank's layers as one contiguous range of
+    its count, ParallelConfig.stage_layers: the same kinds where layer types repeat with the chunks.)"""
     p, rc = cfg.parallel, cfg.replay
     if p.pp == 1:
         return 1
@@ -98,7 +106,10 @@ def in_flight(cfg, P: int, R: int, G: int, stage: range) -> int:
         starts.append(starts[-1] + n)
     s = starts.index(stage.start)
     micro = even_micro_steps(R, G, rc.batch_tokens)[0] + (-(-(P - 1) // rc.chunk_len) if rc.mode == "exact" else 0)
-    return min(p.pp - s, micro)
+    if p.vpp == 1:
+        return min(p.pp - s, micro)
+    total = p.vpp * (micro + interleaved_padding(micro, p.pp, p.vpp, False))
+    return -(-min(2 * (p.pp - s - 1) + (p.vpp - 1) * p.pp + 1, total) // p.vpp)
 
 
 def phase_flops(family, cfg, P: int, R: int, G: int, pieces=None) -> dict:
@@ -167,14 +178,15 @@ def plan_time(family, cfg, P: int, R: int, G: int, world_size: int, dev, efficie
         passes = even_micro_steps(R, G, cfg.replay.batch_tokens)[0]
     flops = phase_flops(family, cfg, P, R, G, pieces)
     peak = {k: dev.bf16_flops * used[k].value for k in flops}
-    seconds = {"capture": flops["capture"] / peak["capture"] * bubble(n, p.pp),
-               "replay": flops["replay"] / peak["replay"] * bubble(passes, p.pp)}
+    # two schedules per group step (replay/pipeline.py): the capture's n forwards, then the replay's passes
+    # and, in exact mode, the sweep's n chunks in one schedule, sharing its fill and drain
+    v, k = p.vpp, passes + (n if "prompt_backward" in flops else 0)
+    seconds = {"capture": flops["capture"] / peak["capture"] * bubble(n, p.pp, v),
+               "replay": flops["replay"] / peak["replay"] * bubble(k, p.pp, v)}
     if "prompt_backward" in flops:
-        seconds["prompt_backward"] = flops["prompt_backward"] / peak["prompt_backward"] * bubble(n, p.pp)
+        seconds["prompt_backward"] = flops["prompt_backward"] / peak["prompt_backward"] * bubble(k, p.pp, v)
     if "recompute" in flops:
-        sweep = flops["capture"] if "prompt_backward" in flops else 0.0
-        seconds["recompute"] = (((flops["recompute"] - sweep) * bubble(passes, p.pp) + sweep * bubble(n, p.pp))
-                                / peak["recompute"])
+        seconds["recompute"] = flops["recompute"] / peak["recompute"] * bubble(k, p.pp, v)
     if cfg.grpo.objective == "ppo":  # the critic's own capture, replay and sweep (memory.critic_terms): the
         # policy's phases again, an upper bound (its scalar head has no vocabulary projection)
         seconds["critic"] = sum(seconds.values())
@@ -186,6 +198,9 @@ def plan_time(family, cfg, P: int, R: int, G: int, world_size: int, dev, efficie
     if cfg.memory.optimizer_offload:
         seconds["optimizer_offload"] = optimizer_offload_seconds(cfg, host)
     seconds["total"] = sum(seconds.values())
+    idle = {"capture": 1 - 1 / bubble(n, p.pp, v), "replay": 1 - 1 / bubble(k, p.pp, v)}
     return {"flops": flops, "seconds": seconds, "seconds_per_group": seconds["total"] / p.dp_for(world_size),
+            "bubble": dict(schedule="none" if p.pp == 1 else "1F1B" if v == 1 else f"interleaved, vpp={v}",
+                           micro_batches={"capture": n, "replay": k}, idle_fraction=idle),
             "transfer_bytes": moved, "efficiency": {k: used[k].as_json() for k in flops},
             "efficiency_measured_on": eff.measured_on, "efficiency_notes": list(eff.notes)}

@@ -73,7 +73,7 @@ import torch.distributed as dist
 from longstraw_mcore.parallel.cp import CPLayout
 from longstraw_mcore.prompt_state.containers import PromptState
 from longstraw_mcore.replay import steps as S
-from longstraw_mcore.replay.plan import TRANSITIONS, Step
+from longstraw_mcore.replay.plan import TRANSITIONS, Step, interleaved_padding
 
 
 class _StageOutput(torch.autograd.Function):
@@ -140,17 +140,6 @@ def _idle(core, n: int, forward_only: bool):
         x = core.decoder.input_tensor
     out = x.clone()
     return out, lambda o: _loss(o.sum() * 0, n)
-
-
-def interleaved_padding(n: int, pp: int, vpp: int, forward_only: bool) -> int:
-    """Idle micro-batches that fill `n` for Megatron's interleaved schedule (none at vpp = 1): up to a multiple
-    of pp (it takes them pp at a time), and with a backward beyond its warm-up on every rank, 2 (pp - 1) +
-    (vpp - 1) pp chunk forwards on rank 0 (measured on Megatron-Core 0.19.2, gloo, pp = 2 x vpp = 2: two
-    micro-batches, all warm-up on rank 0, left the ranks waiting on each other's p2p forever)."""
-    if vpp == 1:
-        return 0
-    need = n if forward_only else max(n, (2 * (pp - 1) + (vpp - 1) * pp) // vpp + 1)
-    return -(-need // pp) * pp - n
 
 
 def _replay_schedule(model, steps: list[Step], forward_step, forward_only: bool) -> None:

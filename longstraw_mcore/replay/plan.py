@@ -132,3 +132,14 @@ def with_transitions(plan: Sequence[Step], state_grad: bool) -> list[Step]:
         elif step.phase == "prompt_backward" and step.index == 0:
             out.append(Step("release_grad", 0))
     return out
+
+
+def interleaved_padding(n: int, pp: int, vpp: int, forward_only: bool) -> int:
+    """Idle micro-batches that fill `n` for Megatron's interleaved schedule (none at vpp = 1): up to a multiple
+    of pp (it takes them pp at a time), and with a backward beyond its warm-up on every rank, 2 (pp - 1) +
+    (vpp - 1) pp chunk forwards on rank 0 (measured on Megatron-Core 0.19.2, gloo, pp = 2 x vpp = 2: two
+    micro-batches, all warm-up on rank 0, left the ranks waiting on each other's p2p forever)."""
+    if vpp == 1:
+        return 0
+    need = n if forward_only else max(n, (2 * (pp - 1) + (vpp - 1) * pp) // vpp + 1)
+    return -(-need // pp) * pp - n
