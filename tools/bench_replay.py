@@ -5,6 +5,8 @@
       [--response-lens 256,1024] [--group-sizes 2,8] [--modes detached,exact] [--naive-max-prompt 16384]
       [--naive-copies N] [--out bench.json] [key=value ...]    (e.g. replay.attn_probs_budget_mib=4096)
   python tools/bench_replay.py --tree 1,2,2,4:24,24,6,10 --prompt-lens 4096 [--modes detached,exact]
+  python tools/bench_replay.py --bubble 2:1,2:2,4:1,4:2 --prompt-lens 2049 --response-lens 32 --group-sizes 4
+      [--chunk-len 256] [--out bubble.json] [key=value ...]
   python tools/bench_replay.py --vs-transformers [--config configs/bench-hybrid-256.yaml] --prompt-lens 4096,16384
       --response-lens 128 --group-sizes 8 [--hf-full-copies N] [--paths hf_cache,detached,...] [--cold]
       [--out vs_hf.json]
@@ -17,6 +19,9 @@ of our gradients against its transformers peer. Each path runs twice per point a
 timed (a training loop's steady state; --cold times the first, whose seconds the JSON keeps either
 way). The config's memory.host_heap applies to the whole process (bench-hybrid-256.yaml: retain), both
 peers alike.
+
+--bubble measures the pipeline bubble (time each stage waits in Megatron's schedules) on CPU ranks, 1F1B
+against interleaved stages, beside the planner's figure (longstraw_mcore/bench/bubble.py).
 
 --tree WIDTHS:LENGTHS replaces each point's responses by a full prefix tree (widths[d] children per node
 at depth d, segments of lengths[d] tokens, the last the responses' own tails; the example: G=16
@@ -136,6 +141,10 @@ def main(argv=None) -> int:
     p.add_argument("--cold", action="store_true", help="--vs-transformers: time each path's first run at a "
                    "point (default: its second, the steady state of a training loop; the first is kept in the JSON)")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    p.add_argument("--bubble", default="", help="PP:VPP,... points: the pipeline bubble measured on CPU ranks "
+                   "beside the planner's (longstraw_mcore/bench/bubble.py), at the first --prompt-lens, "
+                   "--response-lens and --group-sizes, exact mode")
+    p.add_argument("--chunk-len", type=int, default=256, help="--bubble: replay.chunk_len (the capture's micro-batches)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     from longstraw_mcore.cli import quiet_expected_warnings
@@ -143,6 +152,8 @@ def main(argv=None) -> int:
     quiet_expected_warnings()  # (the CLI's: Megatron's absent-TE/apex notes and the like)
     if a.vs_transformers:
         return vs_transformers(a)
+    if a.bubble:
+        return bubble(a)
     _rss_follows_tensors()
     if a.table_from:
         return print_table(a.table_from, a.config, a.overrides)
@@ -252,6 +263,32 @@ def main(argv=None) -> int:
                               flush=True)
                     with open(a.out, "w") as f:
                         json.dump({"config": a.config, "device": str(par.device), "rows": rows}, f, indent=1)
+    print(f"wrote {a.out}")
+    return 0
+
+
+def bubble(a) -> int:
+    import dataclasses
+
+    from longstraw_mcore.bench import bubble as bb
+    from longstraw_mcore.config import load_config
+
+    m = load_config(a.config, a.overrides).model
+    if m.family != "qwen3_5":
+        raise SystemExit(f"--bubble: model.family={m.family!r}; the bubble bench builds the qwen3_5 family")
+    try:
+        points = [tuple(int(x) for x in pt.split(":")) for pt in a.bubble.split(",")]
+        assert all(len(pt) == 2 and pt[0] > 1 and pt[1] >= 1 for pt in points)
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--bubble {a.bubble}: comma-separated PP:VPP points, PP > 1, VPP >= 1 (e.g. 2:1,2:2)")
+    P, R, G = (int(x.split(",")[0]) for x in (a.prompt_lens, a.response_lens, a.group_sizes))
+    print(f"bubble: {m.num_layers} layers, hidden {m.hidden_size}, {m.dtype}; P={P:,} in chunks of {a.chunk_len}, "
+          f"G={G} x R={R}, exact mode, one branch per micro-step; {os.cpu_count()} cores", flush=True)
+    rows = bb.measure(points, dataclasses.asdict(m), P, R, G, a.chunk_len)
+    print(bb.table(rows))
+    with open(a.out, "w") as f:
+        json.dump({"inputs": {"config": a.config, "overrides": a.overrides, "P": P, "R": R, "G": G,
+                              "chunk_len": a.chunk_len}, "rows": rows}, f, indent=1)
     print(f"wrote {a.out}")
     return 0
 

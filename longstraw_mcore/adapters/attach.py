@@ -76,11 +76,13 @@ def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
 
 
 def attach(model, sites: list[Site], cfg: AdapterConfig, parallel, seed: int, canonical: dict | None = None,
-           padded_vocab: int | None = None, saved: dict | None = None) -> AdapterSet:
+           padded_vocab: int | None = None, saved: dict | None = None, vp_stage: int | None = None) -> AdapterSet:
     """Freeze `model`'s base and add the adapters of `cfg`'s targets that live on this rank. `canonical`:
     {name: (A [r, in], B [out, r])} whole tensors (a PEFT directory's), or None for a new adapter. A model
     with a scalar head (a critic) keeps that head trainable (`AdapterSet.saved`); `saved`: its whole
-    tensors from a PEFT directory ({"score.weight": ...}), or None to keep the model's."""
+    tensors from a PEFT directory ({"score.weight": ...}), or None to keep the model's. `vp_stage`: the model
+    chunk `model` is at parallel.vpp > 1 (each chunk has its own adapters: its layers', the output layer's on
+    the last)."""
     from longstraw_mcore.checkpoint.heads import head_of_model
     from longstraw_mcore.models.language_model import stage_range
 
@@ -93,7 +95,8 @@ def attach(model, sites: list[Site], cfg: AdapterConfig, parallel, seed: int, ca
                               f"{missing[:3]}")
     for p in model.parameters():
         p.requires_grad_(False)
-    layers = stage_range(parallel)
+    layers = stage_range(parallel, vp_stage)
+    last = model.post_process  # (the last stage's, or at vpp > 1 its last chunk's)
     tp, tp_rank = parallel.tp, parallel.pgs.tp.rank()
     ep, ep_rank = parallel.ep, (parallel.pgs.ep.rank() if parallel.ep > 1 else 0)
     m = model.model_cfg
@@ -105,7 +108,7 @@ def attach(model, sites: list[Site], cfg: AdapterConfig, parallel, seed: int, ca
                           f"model.num_key_value_heads={m.num_key_value_heads} (KV groups): not supported yet; "
                           "leave them out of adapter.targets or use parallel.tp <= the KV heads")
     aset = AdapterSet(cfg, {s.name: s for s in chosen})
-    if head_of_model(model) != "lm" and parallel.is_last_stage:
+    if head_of_model(model) != "lm" and last:
         for n, p in model.output_layer.named_parameters():
             p.requires_grad_(True)
             aset.saved[f"score.{n}"] = p
@@ -116,7 +119,7 @@ def attach(model, sites: list[Site], cfg: AdapterConfig, parallel, seed: int, ca
     pieces: dict[str, int] = {}
     for s in chosen:
         if s.layer is None:
-            if not parallel.is_last_stage:
+            if not last:
                 continue
         elif s.layer not in layers:
             continue

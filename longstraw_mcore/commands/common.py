@@ -64,9 +64,9 @@ def resolve_adapter(args, cfg):
 
 
 def build_and_load(cfg, par, hf, load, log_prefix, adapter=None):
-    """This rank's model (its family's spec), with weights from an HF directory or a Megatron checkpoint;
-    with cfg.adapter.rank > 0 the base frozen and LoRA adapters on it (`adapter`: their whole tensors
-    from resolve_adapter, or None for a new adapter)."""
+    """This rank's model (its family's spec; at parallel.vpp > 1 the list of its model chunks), with weights
+    from an HF directory or a Megatron checkpoint; with cfg.adapter.rank > 0 the base frozen and LoRA
+    adapters on it (`adapter`: their whole tensors from resolve_adapter, or None for a new adapter)."""
     from longstraw_mcore.families import get_family
     from longstraw_mcore.memory import host_heap
     from longstraw_mcore.ops.dispatch import configure
@@ -79,32 +79,37 @@ def build_and_load(cfg, par, hf, load, log_prefix, adapter=None):
     import torch._dynamo  # noqa: F401
 
     family = get_family(cfg.model.family)
-    model = family.build_model(cfg.model, par, cfg.resolved_device())
+    model = family.build_rank(cfg.model, par, cfg.resolved_device())  # (a list of model chunks at vpp > 1)
+    chunks = model if isinstance(model, list) else [model]
     if hf:
         from longstraw_mcore.checkpoint.convert import load_hf_into_model
 
-        skipped = load_hf_into_model(family, model, hf, expect=cfg.model)
+        for c in chunks:
+            skipped = load_hf_into_model(family, c, hf, expect=cfg.model)
         rank0_print(f"[{log_prefix}] loaded {hf} (converted in memory, this rank's shard only; skipped "
                     f"{len(skipped)} non-decoder tensors)")
     elif load:
         from longstraw_mcore.checkpoint.dist_ckpt import load_checkpoint
 
-        load_checkpoint(model, load)
+        for c in chunks:
+            load_checkpoint(c, load)
         rank0_print(f"[{log_prefix}] loaded Megatron checkpoint {load}")
     if cfg.adapter.enabled:
         from longstraw_mcore.adapters.attach import attach
 
-        base = sum(p.numel() for p in model.parameters())
-        aset = attach(model, family.checkpoint.adapter_sites(cfg.model), cfg.adapter, par, cfg.seed, adapter,
-                      model.padded_vocab_size if par.is_last_stage else None)
+        base = sum(p.numel() for c in chunks for p in c.parameters())
+        sets = [attach(c, family.checkpoint.adapter_sites(cfg.model), cfg.adapter, par, cfg.seed, adapter,
+                       c.padded_vocab_size if c.post_process else None, vp_stage=v if len(chunks) > 1 else None)
+                for v, c in enumerate(chunks)]
         a = cfg.adapter
         rank0_print(f"[{log_prefix}] LoRA r={a.rank} alpha={a.alpha:g} on {', '.join(a.resolved_targets(cfg.model.projection_shapes()))} "
                     f"({'read from the adapter directory' if adapter is not None else 'new: B = 0'}); "
-                    f"rank 0 holds {aset.num_params():,} adapter parameters beside {base:,} frozen; "
-                    f"adapter.prompt={a.prompt}")
+                    f"rank 0 holds {sum(s.num_params() for s in sets):,} adapter parameters beside {base:,} "
+                    f"frozen; adapter.prompt={a.prompt}")
     from longstraw_mcore.memory.layers import apply
 
-    apply(model, cfg.memory)  # recompute, state staging, the MLA query block (config/memory.py)
+    for c in chunks:
+        apply(c, cfg.memory)  # recompute, state staging, the MLA query block (config/memory.py)
     return model
 
 
@@ -118,9 +123,10 @@ def reference_model(args, cfg, par):
 
     # the reference policy is the base model itself (no adapter)
     ref = build_and_load(dataclasses.replace(cfg, adapter=AdapterConfig()), par, args.ref_hf, args.ref_load, "ref")
-    ref.eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
+    for c in ref if isinstance(ref, list) else [ref]:
+        c.eval()
+        for p in c.parameters():
+            p.requires_grad_(False)
     return ref
 
 
@@ -134,3 +140,9 @@ def trained_description(cfg) -> str:
              "so the gradient is exact in either mode)")
     return (f"LoRA r={a.rank} alpha={a.alpha:g} on {a.resolved_targets(cfg.model.projection_shapes())}, "
             f"base frozen ({a.base_dtype}), adapters acting {where}; {cfg.replay.mode} mode")
+
+
+def eval_mode(model) -> None:
+    """`model.eval()` of this rank's model, or of each of its model chunks (parallel.vpp > 1)."""
+    for c in model if isinstance(model, list) else [model]:
+        c.eval()

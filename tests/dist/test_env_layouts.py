@@ -1,6 +1,7 @@
 """A multi-turn environment under TP=2 and CP=2 against one rank (float64, weights from a Hugging Face
 directory): `longstraw rollout --dataset --env` samples three policy turns (one token each) with two observations
-between them (tests/own_task/envs.py) at each layout: the same tokens, loss masks and rewards, log-probs
+between them (tests/own_task/envs.py) at each layout, and at PP=2 x VPP=2 (model chunks through Megatron's
+interleaved schedule, one forward-only micro-batch per token): the same tokens, loss masks and rewards, log-probs
 within 1e-10; the observations are loss-masked where the environment put them. `longstraw validate`
 then replays the one-rank episodes at each layout: loss, log-probs and every gradient within 1e-10 of
 one rank, and turns that several episodes made alike replayed once (the receipt's replayed_tokens equals
@@ -8,9 +9,8 @@ the prefix trie's token count, counted independently, below the response tokens)
 
 Why the layouts must agree: sampling draws its uniform numbers from (seed, prompt index) on every rank
 and the environment runs on each replica's first rank, its observations broadcast, so the episodes
-depend only on the logits, which agree to rounding (float64). Not covered: pipeline stages (the
-episode sampler's segment recording goes through the same forward_once as tree sampling, whose PP test
-covers it) and data parallelism (rows split by index, as `longstraw rollout` splits prompts)."""
+depend only on the logits, which agree to rounding (float64). Not covered: data parallelism (rows split by
+index, as `longstraw rollout` splits prompts)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ import pytest
 from launch import longstraw
 
 LAYOUTS = {"one rank": (1, []), "tp=2": (2, ["parallel.tp=2"]), "cp=2": (2, ["parallel.cp=2"])}
+SAMPLED_ONLY = {"pp=2 x vpp=2": (2, ["parallel.pp=2", "parallel.vpp=2"])}
+"""Layouts that sample (`longstraw rollout`) but do not train yet (interleaved stages: commands/preflight.py)."""
 SAMPLING = ["rollout.max_tokens=1", "rollout.group_size=8", "rollout.temperature=0.6", "env.max_turns=3",
             "device=cpu", "replay.chunk_len=7", "reward.workers=1"]
 
@@ -57,7 +59,7 @@ def test_episodes_and_gradients_equal_across_layouts(case):
 
     tmp, m = case
     got = {}
-    for name, (n, over) in LAYOUTS.items():
+    for name, (n, over) in {**LAYOUTS, **SAMPLED_ONLY}.items():
         out = tmp / f"r-{n}-{'-'.join(over) or 'one'}.jsonl"
         r = longstraw(n, "rollout", "--hf", str(tmp / "hf"), "--dataset", str(tmp / "rows.jsonl"), "--tokenizer",
                       str(tmp / "tok"), "--env", "tests.own_task.envs:Echo", "--out", str(out), *SAMPLING, *over,
@@ -72,7 +74,7 @@ def test_episodes_and_gradients_equal_across_layouts(case):
             assert mask == [1, 0, 0, 1, 0, 0, 1], mask
             assert resp[1] == tag and resp[4] == tag
             assert resp[2] == resp[0] and resp[5] == resp[3]   # the echoed word of the turn before
-    for name in ("tp=2", "cp=2"):
+    for name in ("tp=2", "cp=2", *SAMPLED_ONLY):
         for a, b in zip(got[name], ref):
             assert a["responses"] == b["responses"] and a["loss_masks"] == b["loss_masks"], name
             assert a["rewards"] == b["rewards"], name
