@@ -64,7 +64,7 @@ def resolve_adapter(args, cfg):
 
 
 def build_and_load(cfg, par, hf, load, log_prefix, adapter=None):
-    """This rank's model (its family's spec; at parallel.vpp > 1 the list of its model chunks), with weights
+    """This rank's model (its family's spec; at parallel.vpp > 1 its model chunks as one, ModelChunks), with weights
     from an HF directory or a Megatron checkpoint; with cfg.adapter.rank > 0 the base frozen and LoRA
     adapters on it (`adapter`: their whole tensors from resolve_adapter, or None for a new adapter)."""
     from longstraw_mcore.families import get_family
@@ -79,8 +79,12 @@ def build_and_load(cfg, par, hf, load, log_prefix, adapter=None):
     import torch._dynamo  # noqa: F401
 
     family = get_family(cfg.model.family)
-    model = family.build_rank(cfg.model, par, cfg.resolved_device())  # (a list of model chunks at vpp > 1)
+    model = family.build_rank(cfg.model, par, cfg.resolved_device())
     chunks = model if isinstance(model, list) else [model]
+    if len(chunks) > 1:  # parallel.vpp > 1: the rank's model chunks as one model (parallel/chunks.py)
+        from longstraw_mcore.parallel.chunks import ModelChunks
+
+        model = ModelChunks(chunks)
     if hf:
         from longstraw_mcore.checkpoint.convert import load_hf_into_model
 
@@ -123,10 +127,9 @@ def reference_model(args, cfg, par):
 
     # the reference policy is the base model itself (no adapter)
     ref = build_and_load(dataclasses.replace(cfg, adapter=AdapterConfig()), par, args.ref_hf, args.ref_load, "ref")
-    for c in ref if isinstance(ref, list) else [ref]:
-        c.eval()
-        for p in c.parameters():
-            p.requires_grad_(False)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
     return ref
 
 
@@ -140,9 +143,3 @@ def trained_description(cfg) -> str:
              "so the gradient is exact in either mode)")
     return (f"LoRA r={a.rank} alpha={a.alpha:g} on {a.resolved_targets(cfg.model.projection_shapes())}, "
             f"base frozen ({a.base_dtype}), adapters acting {where}; {cfg.replay.mode} mode")
-
-
-def eval_mode(model) -> None:
-    """`model.eval()` of this rank's model, or of each of its model chunks (parallel.vpp > 1)."""
-    for c in model if isinstance(model, list) else [model]:
-        c.eval()

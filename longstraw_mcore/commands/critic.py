@@ -114,6 +114,10 @@ def reward_config(cfg, path: str | None, cmd: str = "validate"):
                           "ranks score different groups, and an MoE reward model's all-to-alls need them in lockstep; "
                           "score the rollouts first (`validate --reward-model` writes reward_model_scores) or train "
                           "with parallel.ep=1")
+    if cfg.parallel.vpp > 1:
+        raise ConfigError(f"--reward-model {path} with parallel.vpp={cfg.parallel.vpp}: a reward model is built as one "
+                          "model chunk per pipeline rank; score the rollouts first (`validate --reward-model`, at "
+                          "parallel.vpp=1) or train with parallel.vpp=1")
     if cfg.grpo.objective == "dpo":
         raise ConfigError(f"--reward-model {path}: DPO reads preferences from the rollouts' rewards; a reward "
                           "model scores responses for grpo or ppo")

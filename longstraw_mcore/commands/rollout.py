@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import os
 
-from longstraw_mcore.commands.common import (build_and_load, eval_mode, launch_world_size, load_run_config,
-                                             rank0_print, resolve_adapter)
+from longstraw_mcore.commands.common import (build_and_load, launch_world_size, load_run_config, rank0_print,
+                                             resolve_adapter)
 from longstraw_mcore.commands.preflight import check_run, check_sampling
 from longstraw_mcore.config import ConfigError
 
@@ -76,7 +76,7 @@ def run(args) -> int:
 
     par = setup_parallel(cfg)
     model = build_and_load(cfg, par, args.hf, args.load, "rollout", adapter)
-    eval_mode(model)
+    model.eval()
     dp, me = par.dp, par.pgs.dp.rank()
     rank0_print(f"[rollout] {len(prompts)} prompts x G={cfg.rollout.group_size}, temperature {cfg.rollout.temperature}, "
                 f"top-p {cfg.rollout.top_p}, up to {cfg.rollout.max_tokens} tokens, layout tp={par.tp} pp={par.pp} cp={par.cp} dp={dp}")
@@ -133,7 +133,7 @@ def _run_dataset(args, user, adapter) -> int:
     cfg = user.cfg
     par = setup_parallel(cfg)
     model = build_and_load(cfg, par, args.hf, args.load, "rollout", adapter)
-    eval_mode(model)
+    model.eval()
     task = dataset_groups(cfg, par, user, rank0_print).task
     dp, me, data = par.dp, par.pgs.dp.rank(), user.train
     rank0_print(f"[rollout] {len(data)} rows of {data.path} x G={cfg.rollout.group_size}, temperature "

@@ -58,6 +58,14 @@ class RunConfig:
             raise ConfigError(f"replay.reuse_steps={self.replay.reuse_steps}: one capture serves several optimizer "
                               "steps only when the prompt state does not depend on trainable weights; set "
                               "adapter.prompt=frozen (with adapter.rank > 0), or replay.reuse_steps=1")
+        if self.parallel.vpp > 1:
+            why = ("grpo.objective=ppo (the critic is built as one model chunk per rank)" if self.grpo.objective == "ppo"
+                   else "Megatron's distributed optimizer (train.distributed_optimizer, or memory.optimizer_offload "
+                        "under train.grad_reduction=step)" if self.uses_distributed_optimizer() else None)
+            if why is not None:
+                raise ConfigError(f"parallel.vpp={self.parallel.vpp}: interleaved stages run with Megatron's plain "
+                                  f"optimizer or train.grad_reduction=micro_step, not yet with {why}; use "
+                                  "parallel.vpp=1 or leave that setting out")
         bad = [t for t in self.rollout.stop_ids if t >= self.model.vocab_size]
         if bad:
             raise ConfigError(f"rollout.stop_ids={self.rollout.stop_ids}: {bad} not below model.vocab_size="

@@ -6,7 +6,9 @@ checks decide what is valid: a candidate they refuse (ConfigError) is skipped. T
 adapter section, dtype and replay settings are kept; the search sets, for --gpus N:
 
     layout    tp: powers of two up to 8; cp: powers of two; pp: even stages, divisors of num_layers up
-              to 8 (uneven parallel.pp_layers are not searched); dp = N / (tp cp pp); ep: the largest
+              to 8 (uneven parallel.pp_layers are not searched), and at pp > 1 vpp 1, 2, 4 where pp x vpp
+              divides num_layers (interleaved stages: a smaller bubble, more micro-batches in flight,
+              planner/timing.py); dp = N / (tp cp pp); ep: the largest
               power of two the config accepts (fewer experts per rank; the time model has no EP term);
               with cp > 1 and model.gdn_cp=auto (the hybrid family), both Gated DeltaNet paths where the
               key heads split over tp x cp (model.gdn_cp=heads and =sequence; the sequence path
@@ -49,6 +51,8 @@ QUERY_BLOCK = 512
 SIMPLER_WITHIN = 0.05
 """A simpler plan that fits is chosen over the fastest when its seconds are within this fraction."""
 GIB = 2**30
+VPP = (1, 2, 4)
+"""Model chunks per pipeline rank searched (parallel.vpp: Megatron's interleaved stages, even splits)."""
 
 
 @dataclass
@@ -96,26 +100,29 @@ def layouts(base: dict, gpus: int, num_layers: int) -> list[tuple[list[str], obj
     switches' defaults, OFF, come after the layout's overrides)."""
     off = [f"{k}={v}" for k, v in OFF.items()]
     reset = ["parallel.pp_layers=null"] if base.get("parallel", {}).get("pp_layers") is not None else []
+    base_vpp = base.get("parallel", {}).get("vpp", 1)
     out = []
     for tp in (t for t in _powers(8) if gpus % t == 0):
         for cp in (c for c in _powers(gpus // tp) if gpus % (tp * c) == 0):
             for pp in (s for s in range(1, 9) if num_layers % s == 0 and gpus % (tp * cp * s) == 0):
                 dp = gpus // (tp * cp * pp)
-                for ep in sorted(_powers(tp * cp * dp), reverse=True):
-                    ov = [f"parallel.tp={tp}", f"parallel.cp={cp}", f"parallel.pp={pp}", f"parallel.ep={ep}"] + reset
-                    cfg = _load(base, ov + off)
-                    if cfg is None:
-                        continue
-                    try:
-                        cfg.parallel.dp_for(gpus)
-                    except ConfigError:
-                        continue
-                    out.append((ov, cfg))
-                    for gdn in _gdn_paths(cfg):
-                        alt = _load(base, ov + [f"model.gdn_cp={gdn}"] + off)
-                        if alt is not None:
-                            out.append((ov + [f"model.gdn_cp={gdn}"], alt))
-                    break
+                for vpp in (v for v in VPP if v == 1 or (pp > 1 and num_layers % (pp * v) == 0)):
+                    for ep in sorted(_powers(tp * cp * dp), reverse=True):
+                        ov = [f"parallel.tp={tp}", f"parallel.cp={cp}", f"parallel.pp={pp}", f"parallel.ep={ep}"] + (
+                            [f"parallel.vpp={vpp}"] if vpp > 1 or base_vpp > 1 else []) + reset
+                        cfg = _load(base, ov + off)
+                        if cfg is None:
+                            continue
+                        try:
+                            cfg.parallel.dp_for(gpus)
+                        except ConfigError:
+                            continue
+                        out.append((ov, cfg))
+                        for gdn in _gdn_paths(cfg):
+                            alt = _load(base, ov + [f"model.gdn_cp={gdn}"] + off)
+                            if alt is not None:
+                                out.append((ov + [f"model.gdn_cp={gdn}"], alt))
+                        break
     return out
 
 
@@ -266,7 +273,7 @@ def describe(c: Candidate, gpus: int) -> str:
         sw.append(f"mla_query_block={m.mla_query_block}")
     from longstraw_mcore.parallel.cp import gdn_path
 
-    lay = f"tp={p.tp} cp={p.cp} pp={p.pp} ep={p.ep} dp={p.dp_for(gpus)}"
+    lay = f"tp={p.tp} cp={p.cp} pp={p.pp}{f' vpp={p.vpp}' if p.vpp > 1 else ''} ep={p.ep} dp={p.dp_for(gpus)}"
     gdn = gdn_path(c.cfg.model, p.tp, p.cp)
     if gdn in ("heads", "sequence"):  # which Gated DeltaNet path under CP
         lay += f" gdn={gdn}"

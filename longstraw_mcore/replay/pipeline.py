@@ -70,6 +70,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from longstraw_mcore.parallel.chunks import chunk_list
 from longstraw_mcore.parallel.cp import CPLayout
 from longstraw_mcore.prompt_state.containers import PromptState
 from longstraw_mcore.replay import steps as S
@@ -107,7 +108,7 @@ def schedule(model, pgs, config, data: list, forward_step, forward_only: bool, s
     (its `pre_process` / `post_process` say where it sits); it takes a multiple of pp micro-batches."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    chunks = model if isinstance(model, list) else [model]
+    chunks = chunk_list(model)
     vpp = len(chunks)
     data_iterator = iter(data) if vpp == 1 else [iter(data) for _ in chunks]
     kwargs = dict(forward_step_func=forward_step, data_iterator=data_iterator, model=chunks, num_microbatches=len(data),
@@ -146,7 +147,7 @@ def _replay_schedule(model, steps: list[Step], forward_step, forward_only: bool)
     """`steps` through Megatron's schedule: `forward_step(step, v, n)` runs step on this rank's model chunk v
     (0 at parallel.vpp = 1) of n micro-batches. With model chunks the steps are padded with idle
     micro-batches to a multiple of pp (`_idle`)."""
-    chunks = model if isinstance(model, list) else [model]
+    chunks = chunk_list(model)
     cores = S.cores_of(model)
     core = cores[0]
     assert core.config.variable_seq_lengths, "pipeline replay needs variable_seq_lengths (models set it at pp > 1)"
@@ -199,7 +200,7 @@ def forward_backward(model, par, batches: list[torch.Tensor], loss_fn: Callable,
     def forward_step(data_iterator, model_):
         return model_(next(data_iterator).to(par.device)), loss_fn
 
-    config = (model[0] if isinstance(model, list) else model).config
+    config = chunk_list(model)[0].config
     results = schedule(model, par.pgs, config, batches, forward_step, forward_only, seq_length=shape[1],
                        micro_batch_size=shape[0])
     if par.pp == 1:  # results live on the last stage; give every rank the same list
@@ -274,7 +275,7 @@ def _replay_and_sweep(model, steps: list[Step], g, state: PromptState, layout: C
     from longstraw_mcore.prompt_state.segments import SegmentPath
 
     grad = g.loss_fn is not None
-    wrappers = model if isinstance(model, list) else [model]
+    wrappers = chunk_list(model)
     cores = S.cores_of(model)
     layers = [list(c.state_kinds()) for c in cores]
     device = next(cores[0].parameters()).device
@@ -290,7 +291,8 @@ def _replay_and_sweep(model, steps: list[Step], g, state: PromptState, layout: C
         def done():
             if chunk is not None:
                 state.finish_chunk(chunk, layers[v])
-            S.micro_step_done(wrappers[v])
+            # (a holder of the whole rank's gradients, train/zero2.py, reduces what every chunk's backwards left)
+            S.micro_step_done(model if hasattr(model, "micro_step_done") else wrappers[v])
         return done
 
     def segment(step, v, n):

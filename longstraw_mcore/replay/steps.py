@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from longstraw_mcore.config import ReplayConfig
+from longstraw_mcore.parallel.chunks import chunk_list
 from longstraw_mcore.parallel.cp import CPLayout, local_count, local_positions
 from longstraw_mcore.prompt_state.containers import PromptState, allocate
 from longstraw_mcore.prompt_state.contexts import CaptureContext, RecomputeContext, ReplayContext
@@ -35,16 +36,14 @@ from longstraw_mcore.replay.plan import Step
 
 def core_of(model):
     """The model behind a DDP wrapper: the replay interface lives there (DDP's forward only calls it). A rank's
-    list of model chunks (parallel.vpp > 1): its first chunk's, for what the chunks share (process groups,
-    device, adapters' settings, the model config); `cores_of` for the layers."""
-    if isinstance(model, list):
-        model = model[0]
-    return getattr(model, "module", model)
+    model chunks (parallel.vpp > 1: a list, parallel/chunks.py): its first chunk's, for what the chunks share
+    (process groups, device, adapters' settings, the model config); `cores_of` for the layers."""
+    return getattr(chunk_list(model)[0], "module", chunk_list(model)[0])
 
 
 def cores_of(model) -> list:
     """This rank's model chunks (one at parallel.vpp = 1), each behind its DDP wrapper's `module`."""
-    return [core_of(m) for m in (model if isinstance(model, list) else [model])]
+    return [getattr(m, "module", m) for m in chunk_list(model)]
 
 
 @dataclass

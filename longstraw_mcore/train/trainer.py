@@ -21,6 +21,7 @@ from longstraw_mcore.bench.memory import peak_bytes
 from longstraw_mcore.checkpoint.dist_ckpt import read_checkpoint_meta
 from longstraw_mcore.config import ConfigError, RunConfig
 from longstraw_mcore.data.rollouts import RolloutGroup
+from longstraw_mcore.parallel.chunks import chunk_list
 from longstraw_mcore.parallel.reduce import all_reduce_max, all_reduce_sum
 from longstraw_mcore.replay.group_step import process_group
 from longstraw_mcore.replay.watch import Stopped
@@ -57,7 +58,7 @@ def finalize_grads(holder, par) -> None:
     if hasattr(holder, "finish"):
         holder.finish()
     else:
-        finalize_model_grads([holder], pg_collection=par.pgs)
+        finalize_model_grads(chunk_list(holder), pg_collection=par.pgs)
 
 
 def gradients_finite(holder, par) -> bool:
@@ -76,10 +77,13 @@ def gradients_finite(holder, par) -> bool:
 
 
 def wrap_ddp(model, cfg: RunConfig, par):
-    """Megatron DDP around this rank's model, or around each of its model chunks (a list at parallel.vpp > 1:
-    a list back; the schedule's no_sync then covers every chunk)."""
-    if isinstance(model, list):
-        ddps = [wrap_ddp(c, cfg, par) for c in model]
+    """Megatron DDP around this rank's model, or around each of its model chunks (parallel.vpp > 1: a list or a
+    ModelChunks, a DDPChunks back, parallel/chunks.py; the schedule's no_sync then covers every chunk)."""
+    from longstraw_mcore.parallel.chunks import DDPChunks, ModelChunks
+
+    if isinstance(model, (list, ModelChunks)):
+        ddps = DDPChunks([wrap_ddp(c, cfg, par) for c in model],
+                         model if isinstance(model, ModelChunks) else ModelChunks(list(model)))
         model[0].config.no_sync_func = [d.no_sync for d in ddps]  # (Megatron's interleaved schedule reads chunk 0's)
         return ddps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -132,7 +136,7 @@ def build_optimizer(ddp, cfg: RunConfig, par):
                            use_distributed_optimizer=cfg.uses_distributed_optimizer(),
                            **offload_kwargs(cfg))
     # use_gloo_process_groups=False: the groups come from the explicit collection (gloo on CPU anyway)
-    return get_megatron_optimizer(ocfg, [ddp], use_gloo_process_groups=False, pg_collection=par.pgs)
+    return get_megatron_optimizer(ocfg, chunk_list(ddp), use_gloo_process_groups=False, pg_collection=par.pgs)
 
 
 class Trainer:
