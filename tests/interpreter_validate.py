@@ -27,16 +27,9 @@ def validate(tmp, name: str, ranks: int, *overrides: str, interpret: bool, chunk
     """`longstraw validate` (exact mode, gradients dumped, CPU) of tmp/hf on tmp/r.jsonl into tmp/name, under
     Triton's interpreter when `interpret`: (the output folder, its receipt)."""
     out = tmp / name
-    env = {"TRITON_INTERPRET": "1"} if interpret else {}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        r = longstraw(ranks, "validate", "--hf", str(tmp / "hf"), "--rollouts", str(tmp / "r.jsonl"), "--out", str(out),
-                      "--mode", "exact", "--dump-grads", "device=cpu", f"replay.chunk_len={chunk_len}", *overrides,
-                      timeout=600)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    r = longstraw(ranks, "validate", "--hf", str(tmp / "hf"), "--rollouts", str(tmp / "r.jsonl"), "--out", str(out),
+                  "--mode", "exact", "--dump-grads", "device=cpu", f"replay.chunk_len={chunk_len}", *overrides,
+                  timeout=600, env={"TRITON_INTERPRET": "1"} if interpret else None)
     assert r.returncode == 0, r.stderr[-3000:]
     return out, json.loads((out / "receipt.json").read_text())
 

@@ -50,8 +50,9 @@ sys.path.insert(0, ROOT)
 # measured on one H200 at project commit e25be36 (tools/bench_replay.py, every kernel the plain-torch twin)
 H200 = os.path.join(ROOT, "bench_results", "h200_qwen27b_4layer_bench.json")
 
-# (name, config, overrides, P, R, G, layout overrides). Layout "tp1" points run on both ranks (data
-# parallel, no gradient reduction: the same numbers).
+# (name, config, overrides, P, R, G, layout overrides). Points without a layout override are data parallel
+# with no gradient reduction: every rank would measure the same numbers, so the ranks take them in turn
+# (`_replicated`); the others run on every rank.
 CPU_POINTS = [
     ("qwen tiny f32 detached", "configs/qwen3.6-tiny.yaml", ["replay.mode=detached"], 300, 96, 4, []),
     ("qwen tiny f32 exact, chunk 96", "configs/qwen3.6-tiny.yaml", ["replay.mode=exact", "replay.chunk_len=96"],
@@ -130,6 +131,12 @@ SWITCH_POINTS = [pt for pt in CPU_POINTS if any(o.startswith("memory.") for o in
 """The memory-switch points alone (`--points cuda`: measured on one GPU by scripts/gpu_check.sh)."""
 
 
+def _replicated(overrides, layout) -> bool:
+    """A point whose ranks are data-parallel replicas that never meet in the step (no layout override, no
+    train.grad_reduction=micro_step holder): each rank would measure the same bytes, so one rank runs it."""
+    return not layout and "train.grad_reduction=micro_step" not in overrides
+
+
 def _cpu_worker(rank, world_size, points, device: str = "cpu"):
     import torch
 
@@ -149,6 +156,7 @@ def _cpu_worker(rank, world_size, points, device: str = "cpu"):
     # step's. On an H200 it put 62 MiB into the first point (67.7 MiB measured against 5.3 planned).
     warm = 1 if device == "cuda" and points else 0
     points = [*points[:warm], *points]
+    turn = 0
     for name, config, overrides, P, R, G, layout in points:
         # one branch per replay micro-step unless the point sets a budget (the module docstring)
         cfg = load_config(os.path.join(ROOT, config), ["replay.batch_tokens=0", *overrides, *layout, f"device={device}"])
@@ -167,6 +175,12 @@ def _cpu_worker(rank, world_size, points, device: str = "cpu"):
         responses = [torch.randint(0, m.vocab_size, (R - (b % 3),), generator=g).tolist() for b in range(G)]
         group = RolloutGroup(prompt=prompt, responses=responses, rewards=[float(b % 3) for b in range(G)])
         apply(model, cfg.memory)
+        # every rank sets up every point (setup_parallel is collective); a replicated one is measured on one
+        if world_size > 1 and _replicated(overrides, layout):  # the ranks in turn: None on the others
+            turn += 1
+            if (turn - 1) % world_size != rank:
+                out.append(None)
+                continue
         model.zero_grad(set_to_none=True)
         holder, holder_host = model, 0
         if cfg.train.grad_reduction == "micro_step":  # the shards (and grad_offload's host buffers) exist
@@ -302,9 +316,9 @@ def cpu_rows(points=CPU_POINTS, device: str = "cpu", ranks: int = 2) -> list[dic
 
     per_rank = run_ranks(_cpu_worker, ranks, points, device, timeout_s=1200)
     rows = []
-    for i, row in enumerate(per_rank[0]):
-        row = dict(row, measured_bytes=max(r[i]["measured_bytes"] for r in per_rank))
-        rows.append(row)
+    for i in range(len(points)):  # the largest of the ranks that ran the point (`_replicated`: one)
+        ran = [r[i] for r in per_rank if r[i] is not None]
+        rows.append(dict(ran[0], measured_bytes=max(r["measured_bytes"] for r in ran)))
     return rows
 
 

@@ -177,7 +177,7 @@ def _nodes_of_run(text: str, restart: int) -> str | None:
 
 def test_train_on_two_nodes_preempted_then_a_node_lost_requeued_onto_other_hosts_equals_one_node(cluster, inputs,
                                                                                                  tmp_path):
-    c, steps = cluster, 8
+    c, steps = cluster, 6
     train = ("launch/slurm.sbatch", "train", "--config", TINY, "--rollouts", str(inputs / "t.jsonl"), "--steps",
              str(steps), "device=cpu", "parallel.tp=2", "parallel.pp=2", "train.lr=1e-3")
     # the reference: the same layout on one node (4 ranks), alone on node3
@@ -188,8 +188,8 @@ def test_train_on_two_nodes_preempted_then_a_node_lost_requeued_onto_other_hosts
     ck, metrics, out, run = tmp_path / "ck", tmp_path / "m.jsonl", tmp_path / "t.out", tmp_path / "run"
     jid = _sbatch(c, out, "-N2", *train, "--save", str(ck), "--metrics-out", str(metrics), RUN_DIR=str(run))
 
-    # 1. preemption: USR1 after step 2; both nodes stop after the same step, one checkpoint, exit 75, requeue
-    _wait_lines(metrics, 2, c, jid)
+    # 1. preemption: USR1 after step 1; both nodes stop after the same step, one checkpoint, exit 75, requeue
+    _wait_lines(metrics, 1, c, jid)
     c.run(["scancel", "--signal=USR1", jid], check=True)
     t0 = time.monotonic()
     while "(restart 1)" not in (out.read_text() if out.is_file() else ""):

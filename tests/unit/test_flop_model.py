@@ -12,18 +12,37 @@ Every replay row runs at replay.batch_tokens=0 (one branch per micro-step) and a
 branches of different lengths in one right-padded micro-step (flat: 40 and 21 tokens together, 1 alone;
 the tree: each node's tails of 7 and 2 / 3 tokens together), so the padded positions are counted
 (planner/flops.py `padded_steps`). Not covered: expert parallelism's lockstep lengths (replay/engine.py
-`_flat_lengths` pads to the longest over the EP group's groups), which the model does not follow."""
+`_flat_lengths` pads to the longest over the EP group's groups), which the model does not follow.
+
+At TP=1 the two ranks are data-parallel replicas (the same weights, the same inputs: the same counts), so
+they take the TP=1 rows in turn (`_turns`) and each returns the rows it counted; at TP=2 both ranks run
+every row (its collectives need both) and rank 0's counts are kept."""
 
 from __future__ import annotations
+
+import itertools
 
 from longstraw_mcore.launch_local import run_ranks
 
 
-def _tree_rows(model, family, m, prompt, lengths, g, chunk: int, logprob_chunk: int, tp: int):
+def _turns(rank: int, world_size: int):
+    """`share(tp)` -> (run the row on this rank, keep its count): at TP=1 (data-parallel replicas) each
+    row on one rank, in turn; at TP>1 every row on every rank, rank 0's count kept."""
+    turn = itertools.count()
+
+    def share(tp: int) -> tuple[bool, bool]:
+        if tp > 1:
+            return True, rank == 0
+        mine = next(turn) % world_size == rank
+        return mine, mine
+    return share
+
+
+def _tree_rows(model, family, m, prompt, lengths, g, chunk: int, logprob_chunk: int, tp: int, share):
     """[(mode, batch_tokens, FlopCounterMode's count, the analytic count)] of a depth-2 prefix tree (widths
     1, 2, 2, segments of `lengths`; responses 1 and 3 cut to tails of 2 and 3 tokens) after `prompt`, both
     modes, one tail per micro-step and each node's two tails in one padded micro-step (replay/tree.py;
-    the FLOP model's pieces)."""
+    the FLOP model's pieces); the rows `share` (`_turns`) gives this rank."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from longstraw_mcore.bench.trees import full_tree
@@ -39,13 +58,17 @@ def _tree_rows(model, family, m, prompt, lengths, g, chunk: int, logprob_chunk: 
     out = []
     for mode in ("detached", "exact"):
         for bt in (0, 2 * lengths[-1]):
+            run, keep = share(tp)
+            if not run:
+                continue
             rc = ReplayConfig(mode=mode, chunk_len=chunk, logprob_chunk=logprob_chunk, batch_tokens=bt)
             model.zero_grad(set_to_none=True)
             with FlopCounterMode(display=False) as fc:
                 process_group(model, tree, rc, GRPOConfig())
             an = step_flops(family.layers, m, len(prompt), replay_pieces(model, tree.responses, rc), mode, chunk, tp,
                             batch_tokens=bt)
-            out.append((f"{mode} tree", bt, fc.get_total_flops(), an["algorithm"]["total"]))
+            if keep:
+                out.append((f"{mode} tree", bt, fc.get_total_flops(), an["algorithm"]["total"]))
     return out
 
 
@@ -77,7 +100,7 @@ def _worker(rank, world_size):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     m = load_config(os.path.join(root, "configs", "qwen3.6-tiny.yaml"), ["model.attention_block=32"]).model
     gcfg = GRPOConfig()
-    rows, groups = [], {}
+    rows, groups, share = [], {}, _turns(rank, world_size)
     g = torch.Generator().manual_seed(0)
     for tp in (1, 2):
         par = setup_parallel(RunConfig(model=m, parallel=ParallelConfig(tp=tp), device="cpu"))
@@ -98,28 +121,37 @@ def _worker(rank, world_size):
                                  for a, b in micro_steps(lens, bt)}
                         assert len(store) == 1
                         store = store.pop()
+                        run, keep = share(tp)
+                        if not run:
+                            continue
                         model.zero_grad(set_to_none=True)
                         with FlopCounterMode(display=False) as fc:
                             process_group(model, group, rc, gcfg)
                         an = step_flops(get_family(m.family).layers, m, P, lens, mode, 128, tp, store_probs=store,
                                         batch_tokens=bt)
-                        rows.append((tp, P, mode, budget, bt, store, fc.get_total_flops(), an["algorithm"]["total"]))
-            fn = group_loss_fn(group, gcfg, advantages(group.rewards, gcfg))
-            with FlopCounterMode(display=False) as fc:
-                full_sequence_branches(model, prompt, resp, fn, 32)
-            rows.append((tp, P, "naive", 0.0, 0, False, fc.get_total_flops(),
-                         naive_flops(get_family(m.family).layers, m, P, lens, tp)["algorithm"]))
+                        if keep:
+                            rows.append((tp, P, mode, budget, bt, store, fc.get_total_flops(),
+                                         an["algorithm"]["total"]))
+            run, keep = share(tp)
+            if run:
+                fn = group_loss_fn(group, gcfg, advantages(group.rewards, gcfg))
+                with FlopCounterMode(display=False) as fc:
+                    full_sequence_branches(model, prompt, resp, fn, 32)
+            if keep:
+                rows.append((tp, P, "naive", 0.0, 0, False, fc.get_total_flops(),
+                             naive_flops(get_family(m.family).layers, m, P, lens, tp)["algorithm"]))
         # a prefix tree (replay/tree.py): its pieces after their paths' segments
         for mode, bt, measured, analytic in _tree_rows(model, get_family(m.family), m, groups[140].prompt, (9, 5, 7),
-                                                       g, 128, 32, tp):
+                                                       g, 128, 32, tp, share):
             rows.append((tp, 140, mode, 0.0, bt, False, measured, analytic))
         # the budget is a threshold on the bytes: one byte short of a branch's probabilities = recompute
         heads = m.num_attention_heads // tp * m.layer_types.count("full_attention")
         need = heads * 40 * 139 * 4
         at = ReplayConfig(attn_probs_budget_mib=need / 2**20)
         below = ReplayConfig(attn_probs_budget_mib=(need - 1) / 2**20)
-        rows.append((tp, "threshold", stores_attention_probs(model, 139, at, 1, 40),
-                     stores_attention_probs(model, 139, below, 1, 40)))
+        if rank == 0:
+            rows.append((tp, "threshold", stores_attention_probs(model, 139, at, 1, 40),
+                         stores_attention_probs(model, 139, below, 1, 40)))
     # a model whose last layer is Gated DeltaNet (G G G A G G G): exact mode's recompute then stops
     # after that layer's state and leaves its output path out of the backward
     m7 = load_config(os.path.join(root, "configs", "qwen3.6-tiny.yaml"),
@@ -131,18 +163,20 @@ def _worker(rank, world_size):
         rc = ReplayConfig(mode=mode, chunk_len=128, logprob_chunk=32, batch_tokens=80)
         with FlopCounterMode(display=False) as fc:
             process_group(model, group, rc, gcfg)
-        rows.append(("gdn-last", 140, mode, 0.0, 80, False, fc.get_total_flops(),
-                     step_flops(get_family(m7.family).layers, m7, len(group.prompt), [len(r) for r in group.responses],
-                                mode, 128, 2, batch_tokens=80)["algorithm"]["total"]))
-    return {"qwen": rows, "glm": _glm_rows(root)}
+        if rank == 0:
+            an = step_flops(get_family(m7.family).layers, m7, len(group.prompt), [len(r) for r in group.responses],
+                            mode, 128, 2, batch_tokens=80)
+            rows.append(("gdn-last", 140, mode, 0.0, 80, False, fc.get_total_flops(), an["algorithm"]["total"]))
+    return {"qwen": rows, "glm": _glm_rows(root, share)}
 
 
-def _glm_rows(root):
+def _glm_rows(root, share):
     """GLM-5.2-tiny at 4 layers (indexer full on 0, 1, 2, shared on 3; dense 0-2, MoE 3) at TP=1 and TP=2
     (per rank: the latent striped over TP, every head's queries gathered onto each stripe, the MoE tokens
     split by sequence): index_block=5 and index_topk=8 below the keys a query sees, chunks of 12 over a
     30-token prompt, branches of 1 and 6 tokens; a one-token prompt at TP=1 (branches of 5 and 2); one
-    branch per micro-step and (batch_tokens 12) both in one padded micro-step."""
+    branch per micro-step and (batch_tokens 12) both in one padded micro-step. The rows `share` gives
+    this rank (`_turns`)."""
     import os
 
     import torch
@@ -171,24 +205,35 @@ def _glm_rows(root):
             group = RolloutGroup(prompt=prompt, responses=resp, rewards=[float(i) for i in range(len(lens))])
             for mode in ("detached", "exact"):
                 for bt in (0, 12):
+                    run, keep = share(tp)
+                    if not run:
+                        continue
                     model.zero_grad(set_to_none=True)
                     with FlopCounterMode(display=False) as fc:
                         process_group(model, group, ReplayConfig(mode=mode, chunk_len=12, logprob_chunk=4,
                                                                  batch_tokens=bt), gcfg)
-                    rows.append((tp, P, mode, bt, fc.get_total_flops(),
-                                 step_flops(family.layers, m, P, lens, mode, 12, tp, batch_tokens=bt)["algorithm"]["total"]))
-            fn = group_loss_fn(group, gcfg, advantages(group.rewards, gcfg))
-            with FlopCounterMode(display=False) as fc:
-                full_sequence_branches(model, prompt, resp, fn, 4)
-            rows.append((tp, P, "naive", 0, fc.get_total_flops(), naive_flops(family.layers, m, P, lens, tp)["algorithm"]))
+                    if keep:
+                        rows.append((tp, P, mode, bt, fc.get_total_flops(),
+                                     step_flops(family.layers, m, P, lens, mode, 12, tp,
+                                                batch_tokens=bt)["algorithm"]["total"]))
+            run, keep = share(tp)
+            if run:
+                fn = group_loss_fn(group, gcfg, advantages(group.rewards, gcfg))
+                with FlopCounterMode(display=False) as fc:
+                    full_sequence_branches(model, prompt, resp, fn, 4)
+            if keep:
+                rows.append((tp, P, "naive", 0, fc.get_total_flops(),
+                             naive_flops(family.layers, m, P, lens, tp)["algorithm"]))
             if P == 30:  # a prefix tree: its segments' latents read by their children (replicated over TP)
-                rows += [(tp, P, mode, bt, measured, analytic)
-                         for mode, bt, measured, analytic in _tree_rows(model, family, m, prompt, (4, 3, 5), g, 12, 4, tp)]
+                rows += [(tp, P, mode, bt, measured, analytic) for mode, bt, measured, analytic
+                         in _tree_rows(model, family, m, prompt, (4, 3, 5), g, 12, 4, tp, share)]
     return rows
 
 
 def test_flop_model_equals_flop_counter():
-    res = run_ranks(_worker, 2, timeout_s=600)[0]
+    per_rank = run_ranks(_worker, 2, timeout_s=600)
+    # the TP=1 rows from the rank that counted each, the TP=2 rows from rank 0 (the largest TP rank)
+    res = {k: [r for x in per_rank for r in x[k]] for k in ("qwen", "glm")}
     rows = res["qwen"]
     thresholds = [r for r in rows if r[1] == "threshold"]
     counts = [r for r in rows if r[1] != "threshold"]
@@ -211,7 +256,7 @@ def test_flop_model_equals_flop_counter():
             assert by[(tp, 140, f"{mode} tree", 14, False)] > by[(tp, 140, f"{mode} tree", 0, False)]
     for tp, _, at, below in thresholds:
         assert at and not below, (tp, at, below)
-    glm = res["glm"]  # rank 0's: the largest TP rank, whose count the model gives
+    glm = res["glm"]  # at TP=2 rank 0's: the largest TP rank, whose count the model gives
     for tp, P, mode, bt, measured, analytic in glm:
         print(f"GLM tp={tp} P={P} {mode:>13} batch_tokens={bt:>2}: FlopCounterMode {measured:,} analytic {analytic:,.0f}")
     # TP=1: P=30 and P=1, TP=2: P=30; each detached and exact at 2 token budgets, and naive; P=30's trees
