@@ -27,10 +27,12 @@ class ParallelConfig:
     layer on the last (both families keep them untied). With vpp > 1, one count per virtual stage, in
     the order the data flows (pp x vpp counts)."""
     vpp: int = 1
-    """Model chunks per pipeline rank: Megatron's interleaved (virtual) pipeline stages. Virtual stage
-    v x pp + r is rank r's chunk v. The model builder and Megatron's interleaved schedule take them
-    (models/language_model.py, replay/pipeline.py); the replay engine does not run them yet, so every
-    command refuses vpp > 1 (commands/preflight.py)."""
+    """Model chunks per pipeline rank: Megatron's interleaved (virtual) pipeline stages, a bubble of
+    (pp - 1) / (vpp k + pp - 1) for k micro-batches instead of (pp - 1) / (k + pp - 1). Virtual stage
+    v x pp + r is rank r's chunk v (models/language_model.py); the replay engine and sampling run the
+    chunks through Megatron's interleaved schedule (replay/pipeline.py, parallel/chunks.py). `train`
+    and `rollout` take it; validate and smoke do not yet (commands/preflight.py), nor PPO's critic and
+    Megatron's distributed optimizer (RunConfig refuses them)."""
 
     def __post_init__(self) -> None:
         check_ints(self, "parallel", ("tp", "pp", "cp", "ep", "vpp"))

@@ -54,12 +54,17 @@ capture schedule (finish_capture: its seconds count as capture), before and afte
 token batches through the stages with a loss on the logits (`longstraw smoke`); all three reach
 Megatron's `get_forward_backward_func` through `schedule`.
 
-Megatron's interleaved (virtual) stages: `schedule` and `forward_backward` take a rank's list of model
-chunks (parallel.vpp, the model builder's `vp_stage`) and run Megatron's interleaved schedule; the replay
-plan does not run through them yet (its state containers and the sweep's seeds are per rank), and the
-commands refuse vpp > 1. What they would buy is a smaller bubble, (pp-1)/(vpp M + pp-1) instead of
-(pp-1)/(M+pp-1) of a schedule of M micro-batches; here M is large where the time is (a 2M-token prompt in
-16K capture chunks is 128 micro-batches), and small for a group's branches.
+Megatron's interleaved (virtual) stages (parallel.vpp > 1): a rank holds several model chunks (a list, or
+parallel/chunks.py's ModelChunks / DDPChunks), and every schedule here runs Megatron's interleaved one: each
+micro-batch through chunk 0 of every rank, then chunk 1, ..., `forward_step` told which chunk. The state is
+the rank's, keyed by global layer number (the chunks' layers are disjoint): a capture chunk's bounds are
+recorded once, each model chunk keeps its own path of live segments, and the sweep seeds and finishes a
+chunk's outputs per model chunk (`PromptState.outputs(c, only=its layers)`); the reasoning above holds per
+model chunk, whose forwards and backwards run in micro-batch order. Megatron takes the micro-batches pp at a
+time and, measured on 0.19.2 at pp = 2, hangs when rank 0's warm-up holds all of them: idle micro-batches
+fill both (replay/plan.py `interleaved_padding`, `_idle`). The bubble shrinks from (pp-1)/(M+pp-1) to
+(pp-1)/(vpp M+pp-1) of a schedule of M micro-batches (planner/timing.py; measured: tools/bench_replay.py
+--bubble).
 """
 
 from __future__ import annotations

@@ -47,9 +47,12 @@ def test_online_train_pp2_vpp2_equals_one_rank_and_resumes(tmp_path):
     from make_hf_model import main as make_hf
 
     assert make_hf([str(tmp_path / "hf"), "--config", "configs/demo-key-recall.yaml", "model.dtype=float64"]) == 0
-    one = _run(tmp_path, 1, "one", "--steps", "4")
+    from concurrent.futures import ThreadPoolExecutor
+
     vpp = ("parallel.pp=2", "parallel.vpp=2")
-    inter = _run(tmp_path, 2, "vpp", "--steps", "4", *vpp)
+    with ThreadPoolExecutor(2) as pool:  # (independent runs side by side)
+        one, inter = pool.map(lambda a: _run(tmp_path, *a), [(1, "one", "--steps", "4"),
+                                                               (2, "vpp", "--steps", "4", *vpp)])
     steps = [m for m in one if "loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3, 4] and sum(m["update_ok"] for m in steps) >= 1, steps
     for a, b in zip(steps, [m for m in inter if "loss" in m]):
