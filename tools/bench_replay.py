@@ -284,7 +284,9 @@ def bubble(a) -> int:
     P, R, G = (int(x.split(",")[0]) for x in (a.prompt_lens, a.response_lens, a.group_sizes))
     print(f"bubble: {m.num_layers} layers, hidden {m.hidden_size}, {m.dtype}; P={P:,} in chunks of {a.chunk_len}, "
           f"G={G} x R={R}, exact mode, one branch per micro-step; {os.cpu_count()} cores", flush=True)
-    rows = bb.measure(points, dataclasses.asdict(m), P, R, G, a.chunk_len)
+    from longstraw_mcore.families import get_family
+
+    rows = bb.measure(get_family, points, dataclasses.asdict(m), P, R, G, a.chunk_len)
     print(bb.table(rows))
     with open(a.out, "w") as f:
         json.dump({"inputs": {"config": a.config, "overrides": a.overrides, "P": P, "R": R, "G": G,

@@ -57,15 +57,15 @@ def _timed_schedules(box: dict):
     pipeline.schedule = schedule
 
 
-def rank_point(rank: int, world: int, model_cfg: dict, pp: int, vpp: int, P: int, R: int, G: int, chunk_len: int,
-               repeats: int) -> dict:
-    """One layout's group steps on this rank (a run_ranks worker): {kind: {wall, wait, micro_batches}}."""
+def rank_point(rank: int, world: int, get_family, model_cfg: dict, pp: int, vpp: int, P: int, R: int, G: int,
+               chunk_len: int, repeats: int) -> dict:
+    """One layout's group steps on this rank (a run_ranks worker; `get_family`: the registry's lookup, handed
+    down by the tool): {kind: {wall, wait, micro_batches}}."""
     import torch
 
     from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig
     from longstraw_mcore.config.qwen3_5 import Qwen35Config
     from longstraw_mcore.data.rollouts import RolloutGroup
-    from longstraw_mcore.families import get_family
     from longstraw_mcore.parallel.groups import setup_parallel
     from longstraw_mcore.replay.group_step import process_group
 
@@ -90,7 +90,7 @@ def rank_point(rank: int, world: int, model_cfg: dict, pp: int, vpp: int, P: int
     return box["kinds"]
 
 
-def measure(points: list[tuple[int, int]], model_cfg: dict, P: int, R: int, G: int, chunk_len: int,
+def measure(get_family, points: list[tuple[int, int]], model_cfg: dict, P: int, R: int, G: int, chunk_len: int,
             repeats: int = 2, log=print) -> list[dict]:
     """Each (pp, vpp) point on pp CPU ranks: per schedule kind the measured wait fraction (mean and per
     stage) beside the planner's idle fraction."""
@@ -103,7 +103,7 @@ def measure(points: list[tuple[int, int]], model_cfg: dict, P: int, R: int, G: i
     rows = []
     for pp, vpp in points:
         t0 = time.perf_counter()
-        ranks = run_ranks(rank_point, pp, model_cfg, pp, vpp, P, R, G, chunk_len, repeats, timeout_s=1800)
+        ranks = run_ranks(rank_point, pp, get_family, model_cfg, pp, vpp, P, R, G, chunk_len, repeats, timeout_s=1800)
         row = {"pp": pp, "vpp": vpp, "cores": os.cpu_count(), "seconds": round(time.perf_counter() - t0, 1)}
         for kind in ("capture", "replay"):
             per = [r[kind]["wait"] / r[kind]["wall"] for r in ranks]

@@ -81,8 +81,8 @@ def build_and_load(cfg, par, hf, load, log_prefix, adapter=None):
     family = get_family(cfg.model.family)
     model = family.build_rank(cfg.model, par, cfg.resolved_device())
     chunks = model if isinstance(model, list) else [model]
-    if len(chunks) > 1:  # parallel.vpp > 1: the rank's model chunks as one model (parallel/chunks.py)
-        from longstraw_mcore.parallel.chunks import ModelChunks
+    if len(chunks) > 1:  # parallel.vpp > 1: the rank's model chunks as one model (models/chunks.py)
+        from longstraw_mcore.models.chunks import ModelChunks
 
         model = ModelChunks(chunks)
     if hf:

@@ -27,7 +27,7 @@ def check_run(cfg: RunConfig, cmd: str, world_size: int | None) -> int | None:
 
 
 VPP_COMMANDS = ("rollout", "train")
-"""The commands that run a rank's model chunks (parallel.vpp > 1, parallel/chunks.py): the replay engine and
+"""The commands that run a rank's model chunks (parallel.vpp > 1, models/chunks.py): the replay engine and
 sampling run each chunk through Megatron's interleaved schedule (replay/pipeline.py); what interleaved training
 leaves out yet (PPO's critic, Megatron's distributed optimizer) RunConfig refuses."""
 

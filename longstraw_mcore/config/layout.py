@@ -30,7 +30,7 @@ class ParallelConfig:
     """Model chunks per pipeline rank: Megatron's interleaved (virtual) pipeline stages, a bubble of
     (pp - 1) / (vpp k + pp - 1) for k micro-batches instead of (pp - 1) / (k + pp - 1). Virtual stage
     v x pp + r is rank r's chunk v (models/language_model.py); the replay engine and sampling run the
-    chunks through Megatron's interleaved schedule (replay/pipeline.py, parallel/chunks.py). `train`
+    chunks through Megatron's interleaved schedule (replay/pipeline.py, models/chunks.py). `train`
     and `rollout` take it; validate and smoke do not yet (commands/preflight.py), nor PPO's critic and
     Megatron's distributed optimizer (RunConfig refuses them)."""
 

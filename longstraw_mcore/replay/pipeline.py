@@ -55,7 +55,7 @@ token batches through the stages with a loss on the logits (`longstraw smoke`); 
 Megatron's `get_forward_backward_func` through `schedule`.
 
 Megatron's interleaved (virtual) stages (parallel.vpp > 1): a rank holds several model chunks (a list, or
-parallel/chunks.py's ModelChunks / DDPChunks), and every schedule here runs Megatron's interleaved one: each
+models/chunks.py's ModelChunks / DDPChunks), and every schedule here runs Megatron's interleaved one: each
 micro-batch through chunk 0 of every rank, then chunk 1, ..., `forward_step` told which chunk. The state is
 the rank's, keyed by global layer number (the chunks' layers are disjoint): a capture chunk's bounds are
 recorded once, each model chunk keeps its own path of live segments, and the sweep seeds and finishes a
@@ -75,7 +75,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from longstraw_mcore.parallel.chunks import chunk_list
+from longstraw_mcore.models.chunks import chunk_list
 from longstraw_mcore.parallel.cp import CPLayout
 from longstraw_mcore.prompt_state.containers import PromptState
 from longstraw_mcore.replay import steps as S

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from longstraw_mcore.config import ReplayConfig
-from longstraw_mcore.parallel.chunks import chunk_list
+from longstraw_mcore.models.chunks import chunk_list
 from longstraw_mcore.parallel.cp import CPLayout, local_count, local_positions
 from longstraw_mcore.prompt_state.containers import PromptState, allocate
 from longstraw_mcore.prompt_state.contexts import CaptureContext, RecomputeContext, ReplayContext
@@ -36,7 +36,7 @@ from longstraw_mcore.replay.plan import Step
 
 def core_of(model):
     """The model behind a DDP wrapper: the replay interface lives there (DDP's forward only calls it). A rank's
-    model chunks (parallel.vpp > 1: a list, parallel/chunks.py): its first chunk's, for what the chunks share
+    model chunks (parallel.vpp > 1: a list, models/chunks.py): its first chunk's, for what the chunks share
     (process groups, device, adapters' settings, the model config); `cores_of` for the layers."""
     return getattr(chunk_list(model)[0], "module", chunk_list(model)[0])
 

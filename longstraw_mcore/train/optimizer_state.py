@@ -39,7 +39,7 @@ def supported(opt, model) -> str | None:
     """None when `model`'s optimizer state can be written layout-free; else why not (read off the model: a
     policy's adapters and a critic's alike)."""
     from longstraw_mcore.adapters.attach import adapter_set
-    from longstraw_mcore.parallel.chunks import ModelChunks
+    from longstraw_mcore.models.chunks import ModelChunks
 
     if adapter_set(model) is not None:
         return "adapters (their optimizer state stays per rank)"

@@ -21,7 +21,7 @@ from longstraw_mcore.bench.memory import peak_bytes
 from longstraw_mcore.checkpoint.dist_ckpt import read_checkpoint_meta
 from longstraw_mcore.config import ConfigError, RunConfig
 from longstraw_mcore.data.rollouts import RolloutGroup
-from longstraw_mcore.parallel.chunks import chunk_list
+from longstraw_mcore.models.chunks import chunk_list
 from longstraw_mcore.parallel.reduce import all_reduce_max, all_reduce_sum
 from longstraw_mcore.replay.group_step import process_group
 from longstraw_mcore.replay.watch import Stopped
@@ -78,8 +78,8 @@ def gradients_finite(holder, par) -> bool:
 
 def wrap_ddp(model, cfg: RunConfig, par):
     """Megatron DDP around this rank's model, or around each of its model chunks (parallel.vpp > 1: a list or a
-    ModelChunks, a DDPChunks back, parallel/chunks.py; the schedule's no_sync then covers every chunk)."""
-    from longstraw_mcore.parallel.chunks import DDPChunks, ModelChunks
+    ModelChunks, a DDPChunks back, models/chunks.py; the schedule's no_sync then covers every chunk)."""
+    from longstraw_mcore.models.chunks import DDPChunks, ModelChunks
 
     if isinstance(model, (list, ModelChunks)):
         ddps = DDPChunks([wrap_ddp(c, cfg, par) for c in model],

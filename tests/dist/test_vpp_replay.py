@@ -13,7 +13,8 @@ micro-batches); capture chunks of 7. Scoring without autograd (forward-only sche
 log-probs and draw the same tokens.
 
 Qwen3.6 (8 layers alternating Gated DeltaNet and attention), 4 ranks: PP=2 x VPP=2 x DP=2, the same with the
-uneven split [1, 3, 2, 2] (virtual stages with one kind only), PP=4 x VPP=2. GLM-5.x (6 layers, MLA + DSA
+uneven split [1, 3, 2, 2] (virtual stages with one kind only), PP=4 x VPP=2, PP=2 x VPP=2 x CP=2 (each rank's
+zig-zag share of every capture chunk) and TP=2 x PP=2 x VPP=2. GLM-5.x (6 layers, MLA + DSA
 with IndexShare, MoE), 4 ranks: PP=2 x VPP=2 x EP=2 with the split [1, 2, 2, 1] (every virtual stage starts at
 a full indexer layer; a shared layer's top-k from the full layer before it in its chunk).
 """
@@ -119,7 +120,8 @@ def _qwen(rank, world):
     out = {"steps": {}, "scores": {}, "sampled": {}, "chunks": {}}
     for name, layout in (("pp2 x vpp2 x dp2", dict(pp=2, vpp=2)),
                          ("pp2 x vpp2 [1, 3, 2, 2] x dp2", dict(pp=2, vpp=2, pp_layers=[1, 3, 2, 2])),
-                         ("pp4 x vpp2", dict(pp=4, vpp=2))):
+                         ("pp4 x vpp2", dict(pp=4, vpp=2)), ("pp2 x vpp2 x cp2", dict(pp=2, vpp=2, cp=2)),
+                         ("tp2 x pp2 x vpp2", dict(tp=2, pp=2, vpp=2))):
         _check(ref, _run(m, full, groups, BUDGET, **layout), name, out)
     return out
 

@@ -5,7 +5,7 @@ r=4 on every target, exact mode, gradients reduced per micro-step (train.grad_re
 training), two prompt groups per step of G=4 on-policy responses (sampled from the weights being trained,
 one forward-only micro-batch per token through the model chunks; 4 tokens each, short held-out prompts), 4
 steps:
-- PP=2 x VPP=2 (2 ranks; rank r holds virtual stages r and 2 + r, parallel/chunks.py) against one rank:
+- PP=2 x VPP=2 (2 ranks; rank r holds virtual stages r and 2 + r, models/chunks.py) against one rank:
   every step's loss, gradient norm and held-out reward within 1e-12 (relative), the same rewards and
   token counts (any token sampled differently would change them: float64);
 - the PP=2 x VPP=2 run resumed from its step-2 checkpoint (the chunks' adapters written as one PEFT
