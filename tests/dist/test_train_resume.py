@@ -42,7 +42,7 @@ def _metrics(path):
     return [json.loads(line) for line in open(path)]
 
 
-def test_train_12_steps_and_exact_resume(tmp_path):
+def test_train_8_steps_and_exact_resume(tmp_path):
     from make_rollouts import make_groups
 
     from longstraw_mcore.data.rollouts import write_rollouts
