@@ -132,6 +132,7 @@ def _worker(rank, world_size, layouts, chunk_len):
         models[kv_heads] = (m, hf_model, hf_to_mcore(hf_state(hf_model), m),
                             [make_group(m, 27, [5], seed=61), make_group(m, 31, [3, 1, 7, 2, 6, 1, 4, 8], seed=62)])
     out = {"steps": {}, "gdn": {}, "hf": {}, "kv": {}, "flops": {}}
+    hf_lp = {}  # KV heads -> transformers' log-probs of the groups (the same for every layout of that model)
     for mode in ("detached", "exact"):
         refs = {h: _step(m, full, groups, 1, 1, mode, chunk_len) for h, (m, _, full, groups) in models.items()}
         for name, tp, cp, choice, kv_heads in layouts:
@@ -157,7 +158,9 @@ def _worker(rank, world_size, layouts, chunk_len):
                     want_conv = torch.cat([x.chunk(n_tp, 1)[r] for x in parts], 1)
                     worst = max(worst, rel(conv, want_conv), rel(rec, full_rec.chunk(n_tp, 1)[r]))
                 out["gdn"][name] = worst
-                hf = [_hf_logprobs(hf_model, g) for g in groups]
+                if kv_heads not in hf_lp:
+                    hf_lp[kv_heads] = [_hf_logprobs(hf_model, g) for g in groups]
+                hf = hf_lp[kv_heads]
                 out["hf"][name] = max(abs(x - y) for (_, lp), h in zip(got[0], hf)
                                       for a, b in zip(lp, h) for x, y in zip(a, b))
             if mode == "exact" and name == "cp4":  # the planner's FLOPs of the sequence path

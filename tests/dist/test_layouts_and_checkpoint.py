@@ -94,8 +94,8 @@ def _worker(rank, world_size, tmpdir):
     probe = torch.randn(BATCH, SEQ, m.vocab_size, generator=gen, dtype=torch.float64)
 
     runs = {}
-    for tp, pp in [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]:
-        _, _, logits, grads = _layout_run(m, tp, pp, full, ids, probe, seed=1)
+    for tp, pp in [(1, 1), (4, 1), (1, 2), (2, 2), (2, 1)]:  # TP=2 last: its model is the one checkpointed below
+        par, model, logits, grads = _layout_run(m, tp, pp, full, ids, probe, seed=1)
         runs[(tp, pp)] = (logits, grads)
     base_logits, base_grads = runs[(1, 1)]
     errs = {}
@@ -105,14 +105,14 @@ def _worker(rank, world_size, tmpdir):
         errs[key] = dict(logits=rel(logits, base_logits), grad=g[worst], worst=worst,
                          same_keys=set(grads) == set(base_grads))
 
-    # Cached state: prompt with collect=True, then the continuation reading that state, equals one pass.
-    continuation = {tp: _continuation_errors(m, tp, full, ids) for tp in (1, 2, 4)}
-
-    # Checkpoint: save at TP=2 (from HF weights), load at TP=1 and PP=2 into differently seeded models.
-    par, model, _, _ = _layout_run(m, 2, 1, full, ids, probe, seed=1)
+    # Checkpoint: save at TP=2 (from HF weights: the TP=2 run's model), load at TP=1 and PP=2 into
+    # differently seeded models.
     ckpt = f"{tmpdir}/tp2"
     save_checkpoint(model, ckpt, m, par.layout())
     saved_params = gather_full(model)
+
+    # Cached state: prompt with collect=True, then the continuation reading that state, equals one pass.
+    continuation = {tp: _continuation_errors(m, tp, full, ids) for tp in (1, 2, 4)}
     ckpt_results = {}
     for tp, pp in [(1, 1), (1, 2)]:
         from longstraw_mcore.config import ParallelConfig, RunConfig
