@@ -159,15 +159,13 @@ def _assert(outs, chunks_want: dict) -> None:
         assert got == sorted(repr(w) for w in want), (name, got)
 
 
-def _both(rank, world):
-    out = _qwen(rank, world)
-    for key, got in _glm(rank, world).items():
-        out[key].update(got)
-    return out
-
-
-def test_qwen_and_glm_vpp_layouts_equal_one_rank():
-    outs = run_ranks(_both, 4, timeout_s=1200)  # (one spawn of 4 ranks for both families)
+def test_qwen_vpp_layouts_equal_one_rank():
+    outs = run_ranks(_qwen, 4, timeout_s=900)
     _assert(outs, {"pp2 x vpp2 [1, 3, 2, 2] x dp2": [[[0], [4, 5]], [[1, 2, 3], [6, 7]]],
-                   "pp4 x vpp2": [[[0], [4]], [[1], [5]], [[2], [6]], [[3], [7]]],
-                   "GLM pp2 x vpp2 [1, 2, 2, 1] x ep2": [[[0], [3, 4]], [[1, 2], [5]]]})
+                   "pp4 x vpp2": [[[0], [4]], [[1], [5]], [[2], [6]], [[3], [7]]]})
+
+
+def test_glm_pp2_vpp2_ep2_equals_one_rank():
+    # (its own spawn: after the hybrid family's layouts in one process, the GLM layout was seen to hang)
+    outs = run_ranks(_glm, 4, timeout_s=900)
+    _assert(outs, {"GLM pp2 x vpp2 [1, 2, 2, 1] x ep2": [[[0], [3, 4]], [[1, 2], [5]]]})
