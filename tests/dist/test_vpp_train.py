@@ -44,9 +44,13 @@ def _close(a, b) -> bool:
 
 
 def test_online_train_pp2_vpp2_equals_one_rank_and_resumes(tmp_path):
-    from make_hf_model import main as make_hf
+    import subprocess
 
-    assert make_hf([str(tmp_path / "hf"), "--config", "configs/demo-key-recall.yaml", "model.dtype=float64"]) == 0
+    # (a subprocess: in this process the tool would open a process group whose port later launches inherit)
+    r = subprocess.run([sys.executable, "tools/make_hf_model.py", str(tmp_path / "hf"), "--config",
+                        "configs/demo-key-recall.yaml", "model.dtype=float64"], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
     from concurrent.futures import ThreadPoolExecutor
 
     vpp = ("parallel.pp=2", "parallel.vpp=2")
