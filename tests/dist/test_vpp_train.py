@@ -30,7 +30,8 @@ def _run(tmp, n, name, *extra):
     args = ["train", "--config", "configs/demo-key-recall.yaml", "--hf", str(tmp / "hf"), "--online",
             "--metrics-out", str(tmp / f"{name}.jsonl"), "--save", str(tmp / name), "model.dtype=float64",
             "train.grad_reduction=micro_step", "train.groups_per_step=2", "rollout.group_size=4",
-            "rollout.max_tokens=4", "replay.chunk_len=16", "task.min_len=32", "task.max_len=48", "replay.mode=exact", "train.save_every=2",
+            "rollout.max_tokens=4", "replay.chunk_len=16", "task.min_len=32", "task.max_len=48", "replay.mode=exact",
+            "train.save_every=2",
             "adapter.rank=4", "task.eval_every=2", "task.eval_prompts=4", *extra]
     r = longstraw(n, *args, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -48,8 +49,8 @@ def test_online_train_pp2_vpp2_equals_one_rank_and_resumes(tmp_path):
 
     # (a subprocess: in this process the tool would open a process group whose port later launches inherit)
     r = subprocess.run([sys.executable, "tools/make_hf_model.py", str(tmp_path / "hf"), "--config",
-                        "configs/demo-key-recall.yaml", "model.dtype=float64"], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+                        "configs/demo-key-recall.yaml", "model.dtype=float64"], cwd=ROOT, capture_output=True,
+                       text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     from concurrent.futures import ThreadPoolExecutor
 
