@@ -69,7 +69,6 @@ def init_distributed(device: str) -> None:
     """Create the default process group from torchrun's environment if none exists."""
     if dist.is_initialized():
         return
-    chosen = "RANK" not in os.environ and "MASTER_PORT" not in os.environ  # (the port is ours to pick)
     if "RANK" not in os.environ:  # a plain `python` launch: one rank
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         from longstraw_mcore.launch_local import free_port
@@ -79,18 +78,7 @@ def init_distributed(device: str) -> None:
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    for attempt in range(3):
-        try:
-            dist.init_process_group(backend, timeout=dist_timeout())
-            break
-        except dist.DistNetworkError as e:
-            # free_port() releases the port before the store binds it: another process may take it between
-            # (seen once in CI, EADDRINUSE); a port we picked is picked again
-            if not chosen or "EADDRINUSE" not in str(e) or attempt == 2:
-                raise
-            from longstraw_mcore.launch_local import free_port
-
-            os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group(backend, timeout=dist_timeout())
     from longstraw_mcore.parallel import peers
 
     peers.start()  # heartbeats: a failed collective can then name the node that went away (cli.py)
