@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch", type=int, default=2)
     s.add_argument("--seq-len", type=int, default=64)
     s.add_argument("--steps", type=int, default=2)
+    s.add_argument("--micro-batches", type=int, default=1,
+                   help="micro-batches of --batch x --seq-len per step (interleaved stages: at least the "
+                   "schedule's fewest)")
+    s.add_argument("--metrics-out", default=None, help="append one JSON line per step (rank 0)")
     s.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. parallel.tp=2")
     s.set_defaults(command="smoke")
 

@@ -46,9 +46,29 @@ class RankFailure(RuntimeError):
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port free now, for a launch's rendezvous: the kernel's pick or, with
+    LONGSTRAW_PORTS=LO-HI set, one in that range (tests/conftest.py gives each pytest worker its own range
+    below the kernel's ephemeral ports, so concurrent workers' launches never pick each other's)."""
+    span = os.environ.get("LONGSTRAW_PORTS")
+    if not span:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    import random
+
+    try:
+        lo, hi = (int(x) for x in span.split("-"))
+        assert 1024 <= lo <= hi <= 65535
+    except (ValueError, AssertionError):
+        raise ValueError(f"LONGSTRAW_PORTS={span!r}: a range LO-HI of TCP ports, 1024 <= LO <= HI <= 65535") from None
+    for port in random.sample(range(lo, hi + 1), min(64, hi - lo + 1)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"LONGSTRAW_PORTS={span}: no free port among 64 tried")
 
 
 def _child(fn, rank: int, world_size: int, port: int, args: Sequence[Any], out: "mp.Queue",

@@ -131,14 +131,6 @@ class Ranks:
             print(f"[launch] {msg}", file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
@@ -171,6 +163,8 @@ def main(argv=None) -> int:
     if a.master_port is None and a.nnodes > 1:
         print("error: --master-port is needed with --nnodes > 1 (every node must use the same one)", file=sys.stderr)
         return 2
+    from longstraw_mcore.launch_local import free_port
+
     port = a.master_port if a.master_port is not None else free_port()
     ranks = Ranks([sys.executable, "-m", "longstraw_mcore", *entry], a.nproc, a.nnodes, a.node_rank, a.master_addr,
                   port, a.log_dir)

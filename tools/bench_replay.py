@@ -6,7 +6,7 @@
       [--naive-copies N] [--out bench.json] [key=value ...]    (e.g. replay.attn_probs_budget_mib=4096)
   python tools/bench_replay.py --tree 1,2,2,4:24,24,6,10 --prompt-lens 4096 [--modes detached,exact]
   python tools/bench_replay.py --bubble 2:1,2:2,4:1,4:2 --prompt-lens 2049 --response-lens 32 --group-sizes 4
-      [--chunk-len 256] [--out bubble.json] [key=value ...]
+      [--chunk-len 256] [--stage-us 0] [--out bubble.json] [key=value ...]
   python tools/bench_replay.py --vs-transformers [--config configs/bench-hybrid-256.yaml] --prompt-lens 4096,16384
       --response-lens 128 --group-sizes 8 [--hf-full-copies N] [--paths hf_cache,detached,...] [--cold]
       [--out vs_hf.json]
@@ -21,7 +21,9 @@ way). The config's memory.host_heap applies to the whole process (bench-hybrid-2
 peers alike.
 
 --bubble measures the pipeline bubble (time each stage waits in Megatron's schedules) on CPU ranks, 1F1B
-against interleaved stages, beside the planner's figure (longstraw_mcore/bench/bubble.py).
+against interleaved stages, beside the planner's figure (longstraw_mcore/bench/bubble.py). --stage-us T
+gives each stage a device of its own (every layer also sleeps T us per token forward, 2T backward), so
+that PP ranks on fewer cores wait only on the schedule.
 
 --tree WIDTHS:LENGTHS replaces each point's responses by a full prefix tree (widths[d] children per node
 at depth d, segments of lengths[d] tokens, the last the responses' own tails; the example: G=16
@@ -145,6 +147,8 @@ def main(argv=None) -> int:
                    "beside the planner's (longstraw_mcore/bench/bubble.py), at the first --prompt-lens, "
                    "--response-lens and --group-sizes, exact mode")
     p.add_argument("--chunk-len", type=int, default=256, help="--bubble: replay.chunk_len (the capture's micro-batches)")
+    p.add_argument("--stage-us", type=float, default=0.0, help="--bubble: emulated device time per layer and "
+                   "token (forward; backward 2x), slept, so each stage runs as on its own device (0: off)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     from longstraw_mcore.cli import quiet_expected_warnings
@@ -283,14 +287,18 @@ def bubble(a) -> int:
         raise SystemExit(f"--bubble {a.bubble}: comma-separated PP:VPP points, PP > 1, VPP >= 1 (e.g. 2:1,2:2)")
     P, R, G = (int(x.split(",")[0]) for x in (a.prompt_lens, a.response_lens, a.group_sizes))
     print(f"bubble: {m.num_layers} layers, hidden {m.hidden_size}, {m.dtype}; P={P:,} in chunks of {a.chunk_len}, "
-          f"G={G} x R={R}, exact mode, one branch per micro-step; {os.cpu_count()} cores", flush=True)
+          f"G={G} x R={R}, exact mode, one branch per micro-step; {os.cpu_count()} cores"
+          + (f"; each stage's device emulated: {a.stage_us:g} us per layer and token forward, 2x backward"
+             if a.stage_us > 0 else ""), flush=True)
     from longstraw_mcore.families import get_family
 
-    rows = bb.measure(get_family, points, dataclasses.asdict(m), P, R, G, a.chunk_len)
+    if a.stage_us < 0:
+        raise SystemExit(f"--stage-us {a.stage_us:g}: microseconds per layer and token, >= 0 (0: off)")
+    rows = bb.measure(get_family, points, dataclasses.asdict(m), P, R, G, a.chunk_len, stage_us=a.stage_us)
     print(bb.table(rows))
     with open(a.out, "w") as f:
         json.dump({"inputs": {"config": a.config, "overrides": a.overrides, "P": P, "R": R, "G": G,
-                              "chunk_len": a.chunk_len}, "rows": rows}, f, indent=1)
+                              "chunk_len": a.chunk_len, "stage_us": a.stage_us}, "rows": rows}, f, indent=1)
     print(f"wrote {a.out}")
     return 0
 

@@ -10,12 +10,19 @@ planner's idle fraction of a schedule of k micro-batches is (pp - 1) / (vpp k + 
 the group step once untimed (allocations, first calls), then `repeats` times timed; the fractions are
 the timed steps' sums. With more ranks than cores the stages also wait for a core: say so beside the
 figures (`cores` in the JSON).
+
+`stage_us` > 0 gives each stage a device of its own, as a GPU would: every transformer layer's forward
+also sleeps stage_us microseconds per token it runs, its backward twice that (`_device_time`). A sleeping
+rank holds no core, so more ranks than cores no longer slow each other and the waits are the schedule's;
+the model's real arithmetic still runs (keep it small beside the sleeps: the JSON's `stage_us`).
 """
 
 from __future__ import annotations
 
 import os
 import time
+
+import torch
 
 
 def _timed_p2p(box: dict):
@@ -57,12 +64,42 @@ def _timed_schedules(box: dict):
     pipeline.schedule = schedule
 
 
+class _Busy(torch.autograd.Function):
+    """Identity whose backward sleeps `s` seconds (the layer's backward time on the emulated device)."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.s = s
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.s)
+        return g, None
+
+
+def _device_time(model, stage_us: float) -> None:
+    """Every layer of the rank's model chunks: its forward sleeps stage_us per token, its backward 2x."""
+    from longstraw_mcore.replay.steps import cores_of
+
+    def hook(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        s = stage_us * 1e-6 * hidden.shape[0] * hidden.shape[1]
+        time.sleep(s)
+        if not hidden.requires_grad:
+            return output
+        hidden = _Busy.apply(hidden, 2 * s)
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    for core in cores_of(model):
+        for layer in core.decoder.layers:
+            layer.register_forward_hook(hook)
+
+
 def rank_point(rank: int, world: int, get_family, model_cfg: dict, pp: int, vpp: int, P: int, R: int, G: int,
-               chunk_len: int, repeats: int) -> dict:
+               chunk_len: int, repeats: int, stage_us: float = 0.0) -> dict:
     """One layout's group steps on this rank (a run_ranks worker; `get_family`: the registry's lookup, handed
     down by the tool): {kind: {wall, wait, micro_batches}}."""
-    import torch
-
     from longstraw_mcore.config import GRPOConfig, ParallelConfig, ReplayConfig, RunConfig
     from longstraw_mcore.config.qwen3_5 import Qwen35Config
     from longstraw_mcore.data.rollouts import RolloutGroup
@@ -75,6 +112,8 @@ def rank_point(rank: int, world: int, get_family, model_cfg: dict, pp: int, vpp:
     par = setup_parallel(cfg)
     torch.manual_seed(0)
     model = get_family(m.family).build_rank(m, par, "cpu")
+    if stage_us > 0:
+        _device_time(model, stage_us)
     gen = torch.Generator().manual_seed(1)
     group = RolloutGroup(prompt=torch.randint(0, m.vocab_size, (P,), generator=gen).tolist(),
                          responses=[torch.randint(0, m.vocab_size, (R,), generator=gen).tolist() for _ in range(G)],
@@ -91,7 +130,7 @@ def rank_point(rank: int, world: int, get_family, model_cfg: dict, pp: int, vpp:
 
 
 def measure(get_family, points: list[tuple[int, int]], model_cfg: dict, P: int, R: int, G: int, chunk_len: int,
-            repeats: int = 2, log=print) -> list[dict]:
+            repeats: int = 2, stage_us: float = 0.0, log=print) -> list[dict]:
     """Each (pp, vpp) point on pp CPU ranks: per schedule kind the measured wait fraction (mean and per
     stage) beside the planner's idle fraction."""
     from longstraw_mcore.launch_local import run_ranks
@@ -103,8 +142,10 @@ def measure(get_family, points: list[tuple[int, int]], model_cfg: dict, P: int, 
     rows = []
     for pp, vpp in points:
         t0 = time.perf_counter()
-        ranks = run_ranks(rank_point, pp, get_family, model_cfg, pp, vpp, P, R, G, chunk_len, repeats, timeout_s=1800)
-        row = {"pp": pp, "vpp": vpp, "cores": os.cpu_count(), "seconds": round(time.perf_counter() - t0, 1)}
+        ranks = run_ranks(rank_point, pp, get_family, model_cfg, pp, vpp, P, R, G, chunk_len, repeats, stage_us,
+                          timeout_s=1800)
+        row = {"pp": pp, "vpp": vpp, "cores": os.cpu_count(), "stage_us": stage_us,
+               "seconds": round(time.perf_counter() - t0, 1)}
         for kind in ("capture", "replay"):
             per = [r[kind]["wait"] / r[kind]["wall"] for r in ranks]
             row[kind] = {"micro_batches": k[kind], "measured_wait_per_stage": per,

@@ -13,7 +13,9 @@ class LayerProbe:
         self.calls: dict[int, int] = {}
         self.tokens: dict[int, torch.Tensor] = {}
         self._handles = []
-        for layer in model.decoder.layers:
+        from longstraw_mcore.models.chunks import chunk_list
+
+        for layer in (layer for chunk in chunk_list(model) for layer in chunk.decoder.layers):  # (vpp > 1: every chunk)
             i = layer.layer_number - 1  # Megatron numbers layers globally from 1
             self.calls[i] = 0
             self._handles.append(layer.register_forward_pre_hook(self._count(i)))

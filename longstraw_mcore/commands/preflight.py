@@ -22,22 +22,7 @@ def check_run(cfg: RunConfig, cmd: str, world_size: int | None) -> int | None:
                           "(Megatron's optimizer and gradient clipping have no float64 path); use "
                           "train.grad_reduction=micro_step, or float64 in `longstraw validate`")
     p.stage_layers(m.num_layers)  # the pipeline split adds up (RunConfig checked it; a mutated config too)
-    refuse_vpp(cfg, cmd)
     return None if world_size is None else p.dp_for(world_size)
-
-
-VPP_COMMANDS = ("rollout", "train")
-"""The commands that run a rank's model chunks (parallel.vpp > 1, models/chunks.py): the replay engine and
-sampling run each chunk through Megatron's interleaved schedule (replay/pipeline.py); what interleaved training
-leaves out yet (PPO's critic, Megatron's distributed optimizer) RunConfig refuses."""
-
-
-def refuse_vpp(cfg: RunConfig, cmd: str) -> None:
-    """parallel.vpp > 1 outside VPP_COMMANDS."""
-    if cfg.parallel.vpp > 1 and cmd not in VPP_COMMANDS:
-        raise ConfigError(f"parallel.vpp={cfg.parallel.vpp}: `longstraw {cmd}` runs one model chunk per pipeline rank "
-                          "(Megatron's 1F1B); interleaved stages run in "
-                          f"`longstraw {' / '.join(VPP_COMMANDS)}`. Use parallel.vpp=1")
 
 
 def check_sampling(cfg: RunConfig, what: str) -> None:

@@ -106,7 +106,9 @@ def run(args) -> int:
                     "replayed), "
                     f"state {st.state_bytes / 2**20:.3f} MiB on rank 0")
     probe.close()
-    finalize_model_grads([ddp], pg_collection=par.pgs)
+    from longstraw_mcore.models.chunks import chunk_list
+
+    finalize_model_grads(chunk_list(ddp), pg_collection=par.pgs)  # (parallel.vpp > 1: every chunk's DDP)
     gn = grad_norm(ddp.module, par)
     if critic is not None:
         finalize_model_grads([critic], pg_collection=par.pgs)

@@ -154,9 +154,6 @@ def _cases(tmp):
         ("a layer count per rank at vpp 2", ["check", "--config", TINY, "--world-size", "2", "parallel.pp=2",
                                             "parallel.vpp=2", "parallel.pp_layers=[4,4]"],
          "give one layer count per virtual stage (pp x vpp = 4)"),
-        ("interleaved stages in a command", ["check", "--config", TINY, "--world-size", "2", "--cmd", "validate",
-                                             "parallel.pp=2", "parallel.vpp=2"],
-         "parallel.vpp=2: `longstraw validate` runs one model chunk per pipeline rank"),
         ("interleaved stages with PPO", train + ["--rollouts", ok, "parallel.pp=2", "parallel.vpp=2",
                                                  "grpo.objective=ppo"],
          "parallel.vpp=2: interleaved stages run with Megatron's plain optimizer or train.grad_reduction=micro_step, "

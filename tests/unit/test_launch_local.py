@@ -61,3 +61,24 @@ def test_timeout_kills_ranks_and_their_children(tmp_path):
                     assert f.read().split()[2] == "Z", f"pid {pid} (rank {r}) survived the timeout"
             except ProcessLookupError:
                 pass
+
+
+def test_free_port_in_the_given_range(monkeypatch):
+    """LONGSTRAW_PORTS=LO-HI (each pytest worker's own range, tests/conftest.py): a port in it that is free,
+    passing over one that is taken; a malformed range is refused naming it."""
+    import socket
+
+    from longstraw_mcore.launch_local import free_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        held.listen()
+        lo = taken if taken < 65535 else taken - 1
+        monkeypatch.setenv("LONGSTRAW_PORTS", f"{lo}-{lo + 1}")
+        got = {free_port() for _ in range(8)}
+        assert got == {lo, lo + 1} - {taken}, (got, taken)
+    for bad in ("20000", "x-y", "30000-20000", "80-90"):
+        monkeypatch.setenv("LONGSTRAW_PORTS", bad)
+        with pytest.raises(ValueError, match=f"LONGSTRAW_PORTS='{bad}'"):
+            free_port()
