@@ -37,7 +37,8 @@ def run(args) -> int:
     n_params = count_parameters(model, par)
     rank0_print(f"[smoke] {m.family}: {m.describe()}, {n_params / 1e6:.3f} M parameters, dtype {m.dtype}, vocabulary {m.vocab_size} "
                 f"(padded to {m.padded_vocab_size(par.tp)})")
-    rank0_print(f"[smoke] layout tp={par.tp} pp={par.pp} cp={par.cp} dp={par.dp} on {par.world_size} "
+    rank0_print(f"[smoke] layout tp={par.tp} pp={par.pp}{f' vpp={cfg.parallel.vpp}' if cfg.parallel.vpp > 1 else ''} "
+                f"cp={par.cp} dp={par.dp} on {par.world_size} "
                 f"{par.device.type} rank(s) ({'gloo' if par.device.type == 'cpu' else 'nccl'}); "
                 f"set-up {time.perf_counter() - t0:.1f} s")
     gen = torch.Generator().manual_seed(cfg.seed + par.pgs.dp.rank())
@@ -48,6 +49,10 @@ def run(args) -> int:
     if micro > args.micro_batches:
         rank0_print(f"[smoke] parallel.vpp={cfg.parallel.vpp}: {micro} micro-batches per step (the fewest the "
                     "interleaved schedule takes)")
+    if args.metrics_out and par.rank == 0:
+        from pathlib import Path
+
+        Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
     for step in range(1, args.steps + 1):
         ids = [torch.randint(0, m.vocab_size, (args.batch, args.seq_len + 1), generator=gen) for _ in range(micro)]
         targets = iter([x[:, 1:].to(par.device) for x in ids])  # (the schedule runs the last stage in order)
