@@ -1,15 +1,17 @@
 """Test-wide set-up: make tests/ importable (shared reference builders live there) for the test
-process and, through sys.path, for the ranks it spawns; and bind transformers' Qwen3.5 reference to its
-own torch Gated DeltaNet rule before anything imports it (flash-linear-attention is installed for the
-Triton interpreter tests, and transformers would otherwise bind fla's kernel: bench/hf_kernels.py)."""
+process and, through sys.path, for the ranks it spawns; and bind transformers' Qwen3.5 and GLM-5.3-Flash
+references to their own torch delta rules (Gated DeltaNet, Kimi Delta Attention) before anything imports
+them (flash-linear-attention is installed for the Triton interpreter tests, and transformers would
+otherwise bind fla's kernels: bench/hf_kernels.py)."""
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from longstraw_mcore.bench.hf_kernels import qwen3_5_modeling  # noqa: E402
+from longstraw_mcore.bench.hf_kernels import glm5_next_modeling, qwen3_5_modeling  # noqa: E402
 
 qwen3_5_modeling(fla=False)
+glm5_next_modeling(fla=False)
 
 # pytest-xdist workers (scripts/test.sh runs two): each worker's launches pick rendezvous ports from a range
 # of their own, below the kernel's ephemeral ports, so two tests launching at once never take one port

@@ -16,6 +16,8 @@ numerical reference the very kernel it is meant to check. Hence:
                                   installed: its own fast path), for the side-by-side tools
     torch_rule(module)            transformers' own torch rule whatever was bound (the module's
                                   `torch_chunk_gated_delta_rule` is the wrapper that forwards to the binding)
+    glm5_next_modeling(fla)       the same for GLM-5.3-Flash's Kimi Delta Attention (`chunk_kimi_delta_attention`
+                                  and `recurrent_kimi_delta_attention`, both bound at its import)
 
 Both raise if the module was already imported with the other binding (a second import cannot rebind
 it), so a reference can never silently run fla. tests/conftest.py imports the torch binding first
@@ -39,14 +41,14 @@ def fast_path(device_type: str) -> bool:
     return device_type == "cuda" and importlib.util.find_spec("fla") is not None
 
 
-def _bindings(module) -> tuple:
-    """(what `torch_chunk_gated_delta_rule` forwards to, transformers' own torch rule)."""
-    fn = module.torch_chunk_gated_delta_rule
+def _bindings(module, fn_name: str = "torch_chunk_gated_delta_rule") -> tuple:
+    """(what the module's kernel wrapper `fn_name` forwards to, transformers' own torch function)."""
+    fn = getattr(module, fn_name)
     try:
         found = inspect.getclosurevars(fn).nonlocals
         return found["implementation"], found["torch_function"]
     except (KeyError, TypeError) as e:
-        raise RuntimeError(f"cannot tell which Gated DeltaNet rule {_MODULE} bound ({fn!r}): transformers' kernel "
+        raise RuntimeError(f"cannot tell which rule {module.__name__}.{fn_name} bound ({fn!r}): transformers' kernel "
                            "fallback has changed; update longstraw_mcore/bench/hf_kernels.py") from e
 
 
@@ -55,33 +57,55 @@ def torch_rule(module):
     return _bindings(module)[1]
 
 
-def gdn_path(module) -> str:
-    """"fla" or "torch": the chunked rule `module` (modeling_qwen3_5) bound at its import. (The module's
-    `torch_chunk_gated_delta_rule` is the wrapper that forwards to what was bound, despite its name.)"""
-    bound, own = _bindings(module)
+def gdn_path(module, fn_name: str = "torch_chunk_gated_delta_rule") -> str:
+    """"fla" or "torch": the rule `module` (modeling_qwen3_5; or another, through its wrapper `fn_name`) bound at
+    its import. (modeling_qwen3_5's `torch_chunk_gated_delta_rule` is the wrapper that forwards to what was
+    bound, despite its name.)"""
+    bound, own = _bindings(module, fn_name)
     if bound is own:
         return "torch"
     if (getattr(bound, "__module__", "") or "").startswith("fla."):
         return "fla"
-    raise RuntimeError(f"{_MODULE} bound an unknown Gated DeltaNet rule: {bound!r}")
+    raise RuntimeError(f"{module.__name__} bound an unknown rule for {fn_name}: {bound!r}")
+
+
+def _import(name: str, fla: bool):
+    """Import `name` (first time: with `fla` unimportable unless fla=True)."""
+    if name in sys.modules or fla:
+        return importlib.import_module(name)
+    saved = sys.modules.get("fla", ...)
+    sys.modules["fla"] = None  # `import fla` raises ModuleNotFoundError inside transformers' fallback
+    try:
+        return importlib.import_module(name)
+    finally:
+        if saved is ...:
+            del sys.modules["fla"]
+        else:
+            sys.modules["fla"] = saved
 
 
 def qwen3_5_modeling(fla: bool):
     """transformers' modeling_qwen3_5 with the requested rule bound (module docstring)."""
-    if _MODULE not in sys.modules and not fla:
-        saved = sys.modules.get("fla", ...)
-        sys.modules["fla"] = None  # `import fla` raises ModuleNotFoundError inside transformers' fallback
-        try:
-            module = importlib.import_module(_MODULE)
-        finally:
-            if saved is ...:
-                del sys.modules["fla"]
-            else:
-                sys.modules["fla"] = saved
-    else:
-        module = importlib.import_module(_MODULE)
+    module = _import(_MODULE, fla)
     got, want = gdn_path(module), "fla" if fla else "torch"
     if got != want:
         raise RuntimeError(f"{_MODULE} was imported earlier with the {got} Gated DeltaNet rule; this process needs "
                            f"the {want} rule (import it through longstraw_mcore.bench.hf_kernels first)")
+    return module
+
+
+GLM5_NEXT = "transformers.models.glm5_next.modeling_glm5_next"
+KDA_WRAPPERS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
+
+
+def glm5_next_modeling(fla: bool):
+    """transformers' modeling_glm5_next (GLM-5.3-Flash) with its two Kimi Delta Attention rules, chunked and
+    recurrent, bound to fla (fla=True) or to transformers' torch functions, as `qwen3_5_modeling`."""
+    module = _import(GLM5_NEXT, fla)
+    want = "fla" if fla else "torch"
+    for name in KDA_WRAPPERS:
+        got = gdn_path(module, name)
+        if got != want:
+            raise RuntimeError(f"{GLM5_NEXT} was imported earlier with the {got} rule for {name}; this process "
+                               f"needs the {want} rule (import it through longstraw_mcore.bench.hf_kernels first)")
     return module
