@@ -51,15 +51,23 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, state_dtype
     Vd = v.shape[-1]
     S = (torch.zeros(B, H, Kd, Vd, dtype=state_dtype, device=v.device) if initial_state is None
          else initial_state.to(state_dtype))
+    o, S = delta_recurrence(q, k, v, g.exp()[..., None, None], beta, S)
+    return o.to(out_dtype), S
+
+
+def delta_recurrence(q, k, v, decay, beta, S):
+    """The delta rule token by token on [B,H,T,*] inputs from state S [B,H,K,V]: S_t = decay_t * S_{t-1} (decay
+    [B,H,T,1,1] one per head, or [B,H,T,K,1] per key channel), then the delta update and o_t = S_t^T q_t.
+    Returns (o [B,T,H,V], S)."""
     outs = []
-    for t in range(T):
-        S = S * g[:, :, t].exp()[..., None, None]
+    for t in range(v.shape[2]):
+        S = S * decay[:, :, t]
         kv_mem = torch.einsum("bhkv,bhk->bhv", S, k[:, :, t])
         delta = (v[:, :, t] - kv_mem) * beta[:, :, t, None]
         S = S + k[:, :, t, :, None] * delta[:, :, None, :]
         outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, :, t]))
-    o = torch.stack(outs, dim=2) if outs else v.new_zeros(B, H, 0, Vd)
-    return o.transpose(1, 2).to(out_dtype), S
+    o = torch.stack(outs, dim=2) if outs else v.new_zeros(*v.shape[:2], 0, v.shape[-1])
+    return o.transpose(1, 2), S
 
 
 class _StateLoop(torch.autograd.Function):
@@ -138,15 +146,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int
     """Chunked gated delta rule. Same contract as `recurrent_gated_delta_rule`. A sequence that is not
     a whole number of chunks ends with one chunk of its own length, continuing from the state the
     whole chunks leave: nothing is padded, so a short replay segment or tail costs its own tokens."""
+    return with_tail(_whole_chunks, q, k, v, g, beta, initial_state, chunk_size, state_dtype)
+
+
+def with_tail(whole_chunks, q, k, v, g, beta, initial_state, chunk_size: int, state_dtype):
+    """A chunked rule `whole_chunks(q, k, v, g, beta, state, C, state_dtype)` over any length: the whole chunks,
+    then the rest as one chunk of its own length from the state they leave (inputs [B, T, ...])."""
     T = v.shape[1]
     cut = T - T % chunk_size
     if 0 < cut < T:
-        o, S = _whole_chunks(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], initial_state,
-                             chunk_size, state_dtype)
-        o_tail, S = _whole_chunks(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], S, T - cut,
-                                  state_dtype)
+        o, S = whole_chunks(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], initial_state,
+                            chunk_size, state_dtype)
+        o_tail, S = whole_chunks(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], S, T - cut,
+                                 state_dtype)
         return torch.cat([o, o_tail], 1), S
-    return _whole_chunks(q, k, v, g, beta, initial_state, min(chunk_size, T) or chunk_size, state_dtype)
+    return whole_chunks(q, k, v, g, beta, initial_state, min(chunk_size, T) or chunk_size, state_dtype)
 
 
 def _whole_chunks(q, k, v, g, beta, initial_state, C: int, state_dtype):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longstraw_mcore.ops.gated_delta import l2norm
+from longstraw_mcore.ops.gated_delta import delta_recurrence, l2norm, with_tail
 
 
 def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
@@ -62,29 +62,14 @@ def recurrent_kda(q, k, v, g, beta, initial_state=None, state_dtype=torch.float3
     B, H, T, Kd = k.shape
     Vd = v.shape[-1]
     S = _state(initial_state, B, H, Kd, Vd, state_dtype, v.device)
-    outs = []
-    for t in range(T):
-        S = S * g[:, :, t].exp()[..., None]
-        kv_mem = torch.einsum("bhkv,bhk->bhv", S, k[:, :, t])
-        delta = (v[:, :, t] - kv_mem) * beta[:, :, t, None]
-        S = S + k[:, :, t, :, None] * delta[:, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, :, t]))
-    o = torch.stack(outs, dim=2) if outs else v.new_zeros(B, H, 0, Vd)
-    return o.transpose(1, 2).to(out_dtype), S
+    o, S = delta_recurrence(q, k, v, g.exp()[..., None], beta, S)
+    return o.to(out_dtype), S
 
 
 def chunk_kda(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, state_dtype=torch.float32):
     """Chunked KDA. Same contract as `recurrent_kda`; a sequence that is not a whole number of chunks ends
     with one chunk of its own length, continuing from the state the whole chunks leave."""
-    T = v.shape[1]
-    cut = T - T % chunk_size
-    if 0 < cut < T:
-        o, S = _whole_chunks(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], initial_state,
-                             chunk_size, state_dtype)
-        o_tail, S = _whole_chunks(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], S, T - cut,
-                                  state_dtype)
-        return torch.cat([o, o_tail], 1), S
-    return _whole_chunks(q, k, v, g, beta, initial_state, min(chunk_size, T) or chunk_size, state_dtype)
+    return with_tail(_whole_chunks, q, k, v, g, beta, initial_state, chunk_size, state_dtype)
 
 
 def _whole_chunks(q, k, v, g, beta, initial_state, C: int, state_dtype):
