@@ -1,7 +1,7 @@
 """GLM-5.3-Flash's hyper-connection streams (models/hyper_connection.py) equal transformers' in float64, its float32
 casts lifted (tests/hf_reference.py `LiftFloat32ToFloat64`): `Glm5NextTextHyperConnection` (post, comb, the
 collapsed input) and the decoder layer's mixing of a sublayer's output into the streams (modeling_glm5_next's
-`hidden_states = post * out + comb^T @ residual`), for N = 4 streams of width 16 with 20 Sinkhorn iterations
+`hidden_states = post * out + comb^T @ residual`), for N = 4 streams of width 16 with 20 Sinkhorn iterations,
 N = 3 with 3 and N = 2 with 1 (only the first column normalisation); outputs and the gradients of fn, base, scale, the
 streams and the sublayer output (a fixed random functional of the mixed streams), <= 1e-12 relative. Also: comb
 is doubly stochastic after 20 iterations (rows and columns sum to 1 within 1e-5: the eps terms), and `head` of
