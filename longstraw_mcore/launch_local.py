@@ -58,17 +58,19 @@ def free_port() -> int:
 
     try:
         lo, hi = (int(x) for x in span.split("-"))
-        assert 1024 <= lo <= hi <= 65535
-    except (ValueError, AssertionError):
-        raise ValueError(f"LONGSTRAW_PORTS={span!r}: a range LO-HI of TCP ports, 1024 <= LO <= HI <= 65535") from None
-    for port in random.sample(range(lo, hi + 1), min(64, hi - lo + 1)):
+    except ValueError:
+        lo = hi = 0
+    if not 1024 <= lo <= hi <= 65535:
+        raise ValueError(f"LONGSTRAW_PORTS={span!r}: a range LO-HI of TCP ports, 1024 <= LO <= HI <= 65535")
+    tries = random.sample(range(lo, hi + 1), min(64, hi - lo + 1))
+    for port in tries:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise OSError(f"LONGSTRAW_PORTS={span}: no free port among 64 tried")
+    raise OSError(f"LONGSTRAW_PORTS={span}: no free port among the {len(tries)} tried")
 
 
 def _child(fn, rank: int, world_size: int, port: int, args: Sequence[Any], out: "mp.Queue",

@@ -84,14 +84,21 @@ def _import(name: str, fla: bool):
             sys.modules["fla"] = saved
 
 
+def _bound(name: str, wrappers: tuple[str, ...], what: str, fla: bool):
+    """Module `name` imported (`_import`) with each of its kernel `wrappers` bound to fla or to torch as asked."""
+    module = _import(name, fla)
+    want = "fla" if fla else "torch"
+    for fn_name in wrappers:
+        got = gdn_path(module, fn_name)
+        if got != want:
+            raise RuntimeError(f"{name} was imported earlier with the {got} {what} rule ({fn_name}); this process "
+                               f"needs the {want} rule (import it through longstraw_mcore.bench.hf_kernels first)")
+    return module
+
+
 def qwen3_5_modeling(fla: bool):
     """transformers' modeling_qwen3_5 with the requested rule bound (module docstring)."""
-    module = _import(_MODULE, fla)
-    got, want = gdn_path(module), "fla" if fla else "torch"
-    if got != want:
-        raise RuntimeError(f"{_MODULE} was imported earlier with the {got} Gated DeltaNet rule; this process needs "
-                           f"the {want} rule (import it through longstraw_mcore.bench.hf_kernels first)")
-    return module
+    return _bound(_MODULE, ("torch_chunk_gated_delta_rule",), "Gated DeltaNet", fla)
 
 
 GLM5_NEXT = "transformers.models.glm5_next.modeling_glm5_next"
@@ -101,11 +108,4 @@ KDA_WRAPPERS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
 def glm5_next_modeling(fla: bool):
     """transformers' modeling_glm5_next (GLM-5.3-Flash) with its two Kimi Delta Attention rules, chunked and
     recurrent, bound to fla (fla=True) or to transformers' torch functions, as `qwen3_5_modeling`."""
-    module = _import(GLM5_NEXT, fla)
-    want = "fla" if fla else "torch"
-    for name in KDA_WRAPPERS:
-        got = gdn_path(module, name)
-        if got != want:
-            raise RuntimeError(f"{GLM5_NEXT} was imported earlier with the {got} rule for {name}; this process "
-                               f"needs the {want} rule (import it through longstraw_mcore.bench.hf_kernels first)")
-    return module
+    return _bound(GLM5_NEXT, KDA_WRAPPERS, "Kimi Delta Attention", fla)

@@ -66,15 +66,16 @@ def run(args) -> int:
         out = forward_backward(model, par, [x[:, :-1].contiguous() for x in ids], loss_fn)
         gn = grad_norm(model, par)
         dt = time.perf_counter() - t
+        peak = peak_bytes(par.device)
         loss = all_reduce_sum([sum(float(o["loss"]) for o in out) / micro], par.pgs.dp,
                               par.device)[0] / par.dp  # mean over micro-batches and replicas
         rank0_print(f"[smoke] step {step}/{args.steps}: loss {loss:.4f} (ln V = {math.log(m.vocab_size):.4f}), grad "
                     f"norm {gn:.4f}, {tokens_per_step} tokens in {dt:.2f} s ({tokens_per_step / dt:,.0f} tokens/s "
-                    f"fwd+bwd), peak {peak_bytes(par.device) / 2**30:.2f} GiB/rank")
+                    f"fwd+bwd), peak {peak / 2**30:.2f} GiB/rank")
         if args.metrics_out and par.rank == 0:
             with open(args.metrics_out, "a") as f:
                 f.write(json.dumps({"step": step, "loss": loss, "grad_norm": gn, "micro_batches": micro,
                                     "tokens": tokens_per_step, "seconds": dt, "tokens_per_s": tokens_per_step / dt,
-                                    "peak_bytes_rank0": peak_bytes(par.device)}) + "\n")
+                                    "peak_bytes_rank0": peak}) + "\n")
     rank0_print("[smoke] done: forward + backward ran through Megatron's pipeline engine on every rank")
     return 0

@@ -43,14 +43,20 @@ def _prepare(q, k, v, g, beta, state_dtype):
     return q, k, v, g, beta
 
 
+def entering_state(initial_state, B: int, H: int, Kd: int, Vd: int, state_dtype, device) -> torch.Tensor:
+    """The state a rule starts from: `initial_state` in state_dtype, or zeros [B, H, K, V]."""
+    if initial_state is None:
+        return torch.zeros(B, H, Kd, Vd, dtype=state_dtype, device=device)
+    return initial_state.to(state_dtype)
+
+
 def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, state_dtype=torch.float32):
     """Token-by-token reference. Returns (o [B,T,H,V] in v.dtype, final_state [B,H,K,V] in state_dtype)."""
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, state_dtype)
     B, H, T, Kd = k.shape
     Vd = v.shape[-1]
-    S = (torch.zeros(B, H, Kd, Vd, dtype=state_dtype, device=v.device) if initial_state is None
-         else initial_state.to(state_dtype))
+    S = entering_state(initial_state, B, H, Kd, Vd, state_dtype, v.device)
     o, S = delta_recurrence(q, k, v, g.exp()[..., None, None], beta, S)
     return o.to(out_dtype), S
 
@@ -169,8 +175,7 @@ def _whole_chunks(q, k, v, g, beta, initial_state, C: int, state_dtype):
     q, k, v, g, beta = _prepare(q, k, v, g, beta, state_dtype)
     B, H, T, Kd = k.shape
     Vd = v.shape[-1]
-    S = (torch.zeros(B, H, Kd, Vd, dtype=state_dtype, device=v.device) if initial_state is None
-         else initial_state.to(state_dtype))
+    S = entering_state(initial_state, B, H, Kd, Vd, state_dtype, v.device)
     if T == 0:
         return v.new_zeros(B, 0, H, Vd).to(out_dtype), S
     n = T // C

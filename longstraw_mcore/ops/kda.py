@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longstraw_mcore.ops.gated_delta import delta_recurrence, l2norm, with_tail
+from longstraw_mcore.ops.gated_delta import delta_recurrence, entering_state, l2norm, with_tail
 
 
 def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
@@ -49,19 +49,13 @@ def _prepare(q, k, v, g, beta, state_dtype):
     return l2norm(q) * (q.shape[-1] ** -0.5), l2norm(k), v, g, beta
 
 
-def _state(initial_state, B, H, Kd, Vd, state_dtype, device):
-    if initial_state is None:
-        return torch.zeros(B, H, Kd, Vd, dtype=state_dtype, device=device)
-    return initial_state.to(state_dtype)
-
-
 def recurrent_kda(q, k, v, g, beta, initial_state=None, state_dtype=torch.float32):
     """Token-by-token reference. Returns (o [B,T,H,V] in v.dtype, final_state [B,H,K,V] in state_dtype)."""
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, state_dtype)
     B, H, T, Kd = k.shape
     Vd = v.shape[-1]
-    S = _state(initial_state, B, H, Kd, Vd, state_dtype, v.device)
+    S = entering_state(initial_state, B, H, Kd, Vd, state_dtype, v.device)
     o, S = delta_recurrence(q, k, v, g.exp()[..., None], beta, S)
     return o.to(out_dtype), S
 
@@ -78,7 +72,7 @@ def _whole_chunks(q, k, v, g, beta, initial_state, C: int, state_dtype):
     q, k, v, g, beta = _prepare(q, k, v, g, beta, state_dtype)
     B, H, T, Kd = k.shape
     Vd = v.shape[-1]
-    S = _state(initial_state, B, H, Kd, Vd, state_dtype, v.device)
+    S = entering_state(initial_state, B, H, Kd, Vd, state_dtype, v.device)
     if T == 0:
         return v.new_zeros(B, 0, H, Vd).to(out_dtype), S
     n = T // C

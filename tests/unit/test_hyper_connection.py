@@ -10,15 +10,12 @@ is doubly stochastic after 20 iterations (rows and columns sum to 1 within 1e-5:
 from __future__ import annotations
 
 import torch
+from layout_compare import rel as _rel
 
 from longstraw_mcore.bench.hf_kernels import glm5_next_modeling
 from longstraw_mcore.models.hyper_connection import HyperConnection, expand, head, mix
 
 F64 = torch.float64
-
-
-def _rel(a, b) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
 def _case(n: int, iters: int, seed: int):

@@ -17,6 +17,7 @@ their torch binding: bench/hf_kernels.py `glm5_next_modeling(fla=False)`) in flo
 from __future__ import annotations
 
 import torch
+from layout_compare import rel as _rel
 
 from longstraw_mcore.bench.hf_kernels import glm5_next_modeling
 from longstraw_mcore.ops.kda import chunk_kda, kda_gate, recurrent_kda
@@ -43,10 +44,6 @@ def _hf_recurrent(q, k, v, g, beta, s0):
     with LiftFloat32ToFloat64():
         return hf.recurrent_kimi_delta_attention(q, k, v, g=g, beta=beta, initial_state=s0, output_final_state=True,
                                                  use_qk_l2norm_in_kernel=True)
-
-
-def _rel(a, b) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
 def test_gate_equals_transformers_bounded_and_unbounded():
