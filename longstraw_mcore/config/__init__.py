@@ -10,6 +10,7 @@ allocation or write.
     model_base.py  what every family's model config derives alike (vocabulary padding, torch dtype)
     qwen3_5.py     Qwen35Config: the Qwen3.5/3.6 hybrid's dimensions and the layouts it splits over
     glm_dsa.py     GlmDsaConfig: GLM-5.x's dimensions and layouts; glm_5_2() its real dimensions
+    glm5_next.py   Glm5NextConfig: GLM-5.3-Flash's (KDA + MLA/DSA + MoE + streams); glm_5_3_flash()
     layout.py      ParallelConfig
     adapter.py     AdapterConfig: LoRA / QLoRA (adapters/); CriticAdapterConfig: the same on PPO's critic
     memory.py      MemoryConfig: recompute, state offload / fp8, optimizer offload, MLA query blocks
@@ -22,6 +23,7 @@ allocation or write.
 
 from longstraw_mcore.config.adapter import AdapterConfig
 from longstraw_mcore.config.errors import ConfigError
+from longstraw_mcore.config.glm5_next import Glm5NextConfig, glm_5_3_flash
 from longstraw_mcore.config.glm_dsa import GlmDsaConfig, glm_5_2
 from longstraw_mcore.config.layout import ParallelConfig
 from longstraw_mcore.config.memory import MemoryConfig
@@ -33,6 +35,6 @@ from longstraw_mcore.config.run import MODEL_CONFIGS, ModelConfig, RunConfig
 from longstraw_mcore.config.sections import (GRPOConfig, OpsConfig, ReplayConfig, RolloutConfig, TaskConfig,
                                              TrainConfig)
 
-__all__ = ["AdapterConfig", "MemoryConfig", "ConfigError", "ModelConfig", "Qwen35Config", "GlmDsaConfig", "glm_5_2", "ParallelConfig", "ReplayConfig",
+__all__ = ["AdapterConfig", "MemoryConfig", "ConfigError", "ModelConfig", "Qwen35Config", "GlmDsaConfig", "glm_5_2", "Glm5NextConfig", "glm_5_3_flash", "ParallelConfig", "ReplayConfig",
            "GRPOConfig", "PPOConfig", "RolloutConfig", "OpsConfig", "TaskConfig", "TrainConfig", "RunConfig", "MODEL_CONFIGS",
            "DatasetConfig", "RewardConfig", "EnvConfig", "load_config", "apply_overrides", "config_to_dict", "model_config_from_dict"]

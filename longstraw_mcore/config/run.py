@@ -8,6 +8,7 @@ from typing import Literal
 
 from longstraw_mcore.config.adapter import AdapterConfig, CriticAdapterConfig
 from longstraw_mcore.config.errors import ConfigError, check_choices
+from longstraw_mcore.config.glm5_next import Glm5NextConfig
 from longstraw_mcore.config.glm_dsa import GlmDsaConfig
 from longstraw_mcore.config.layout import ParallelConfig
 from longstraw_mcore.config.memory import MemoryConfig
@@ -17,10 +18,10 @@ from longstraw_mcore.config.sections import (GRPOConfig, OpsConfig, ReplayConfig
                                              TrainConfig)
 from longstraw_mcore.config.user_task import DatasetConfig, EnvConfig, RewardConfig
 
-ModelConfig = Qwen35Config | GlmDsaConfig
+ModelConfig = Qwen35Config | GlmDsaConfig | Glm5NextConfig
 """A model of any family (the annotation every family-neutral module uses)."""
 
-MODEL_CONFIGS = {"qwen3_5": Qwen35Config, "glm_dsa": GlmDsaConfig}
+MODEL_CONFIGS = {"qwen3_5": Qwen35Config, "glm_dsa": GlmDsaConfig, "glm5_next": Glm5NextConfig}
 """`model.family` -> its config class (adding a family adds a line here)."""
 
 

@@ -17,7 +17,8 @@ import importlib
 
 from longstraw_mcore.families.record import Family
 
-_MODULES = {"qwen3_5": "longstraw_mcore.families.qwen3_5", "glm_dsa": "longstraw_mcore.families.glm_dsa"}
+_MODULES = {"qwen3_5": "longstraw_mcore.families.qwen3_5", "glm_dsa": "longstraw_mcore.families.glm_dsa",
+            "glm5_next": "longstraw_mcore.families.glm5_next"}
 
 
 def get_family(name: str) -> Family:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from longstraw_mcore.models.norms import RMSNorm
+
 
 class HyperConnection(torch.nn.Module):
     """The weights of one sublayer's hyper-connection: fn [(N+2)N, N*H], base [(N+2)N] and scale [3] (base and
@@ -73,3 +75,53 @@ def expand(x: torch.Tensor, n: int) -> torch.Tensor:
 def head(streams: torch.Tensor) -> torch.Tensor:
     """[..., N, H] -> their mean [..., H] (before the final norm)."""
     return streams.mean(dim=-2)
+
+
+# --- Megatron TransformerLayer slots ------------------------------------------------------------------------
+# Between layers (and pipeline stages) the residual is the N streams flattened, [T, B, N*H]. A layer's
+# `input_layernorm` / `pre_mlp_layernorm` slot is an `HCNorm`: it makes the sublayer's input (the streams
+# collapsed by `pre`, then RMSNorm) and hands Megatron a residual `(streams, post, comb)`, which the layer
+# passes to its `self_attn_bda` / `mlp_bda` slot, `hc_bda`, that mixes the sublayer's output back in. The
+# block's final `layer_norm` slot is `HCHead` (mean of the streams, RMSNorm). No Megatron class is forked.
+
+
+class HCNorm(RMSNorm):
+    """A sublayer's hyper-connection + its RMSNorm (`weight`), in a Megatron norm slot `(config, hidden_size,
+    eps)` with `model_cfg` bound: [T, B, N*H] -> (y [T, B, H], residual (streams [T, B, N, H], post, comb))."""
+
+    def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-5, model_cfg=None, **kwargs):
+        super().__init__(config, hidden_size, eps=eps)
+        m = model_cfg
+        self.n = m.hc_mult
+        self.hc = HyperConnection(hidden_size, m.hc_mult, m.hc_sinkhorn_iters, m.hc_eps, m.rms_norm_eps,
+                                  dtype=config.params_dtype)
+
+    def forward(self, flat: torch.Tensor):
+        streams = flat.unflatten(-1, (self.n, -1))
+        post, comb, y = self.hc(streams)
+        return super().forward(y), (streams, post, comb)
+
+
+def _hc_add(out_with_bias, residual, prob):
+    out, bias = out_with_bias
+    if bias is not None:
+        out = out + bias
+    streams, post, comb = residual
+    return mix(streams, out, post, comb).flatten(-2)
+
+
+def hc_bda(training: bool = False, fused: bool = False):
+    """Megatron's bias-dropout-add slot for the streams: (out [T, B, H], bias) and the `HCNorm` residual ->
+    the new streams [T, B, N*H]. Dropout is not applied (the family trains without it: hidden_dropout 0)."""
+    return _hc_add
+
+
+class HCHead(RMSNorm):
+    """The block's final norm slot: [T, B, N*H] -> RMSNorm(mean of the streams) [T, B, H]."""
+
+    def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-5, model_cfg=None, **kwargs):
+        super().__init__(config, hidden_size, eps=eps)
+        self.n = model_cfg.hc_mult
+
+    def forward(self, flat: torch.Tensor) -> torch.Tensor:
+        return super().forward(head(flat.unflatten(-1, (self.n, -1))))

@@ -115,6 +115,13 @@ class ReplayLanguageModel(ReplayModelMixin, LanguageModule):
             input_tensor = input_tensor[0]
         self.decoder.set_input_tensor(input_tensor)
 
+    def decoder_input(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding [T, B, Hd], copied into the residual streams where the family has several ([T, B, n Hd],
+        `ModelBase.residual_streams`: models/hyper_connection.py)."""
+        x = self.embedding(input_ids=input_ids, position_ids=None)
+        n = self.model_cfg.residual_streams
+        return x if n == 1 else x.repeat(1, 1, n)
+
     def forward(self, input_ids: torch.Tensor, position_ids=None, attention_mask=None,
                 state: StateHooks | None = None, hidden_only: bool = False, **kwargs) -> torch.Tensor:
         """input_ids [B, T] (first stage; other stages take the tensor from `set_input_tensor`).
@@ -122,7 +129,7 @@ class ReplayLanguageModel(ReplayModelMixin, LanguageModule):
         `hidden_only`: return the decoder output `[T, B, Hd]` (after the final norm on the last stage)
         without the output layer: prompt capture needs no logits, and log-probs are computed from
         hidden states in token chunks (loss/logprobs.py)."""
-        decoder_input = self.embedding(input_ids=input_ids, position_ids=None) if self.pre_process else None
+        decoder_input = self.decoder_input(input_ids) if self.pre_process else None
         hidden = self.decoder(hidden_states=decoder_input, attention_mask=None, inference_context=state)
         if not self.post_process or hidden_only:
             return hidden

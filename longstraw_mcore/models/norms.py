@@ -3,6 +3,8 @@
 - `ZeroCenteredRMSNorm`: y = x / rms(x) * (1 + w), w initialised to 0 (Qwen3.5/3.6 layer, final and
   q/k norms). Computed in float32 (float64 under float64), cast back, as the reference does.
 - `GatedRMSNorm`: y = (w * (x / rms(x))) * silu(z) (Gated DeltaNet output norm; w initialised to 1).
+- `SigmoidGatedRMSNorm`: y = w * (x / rms(x)) * sigmoid(z), all in float32 or wider (Kimi Delta Attention's
+  output norm, GLM-5.3-Flash: the weight is applied before the cast back, unlike Gated DeltaNet's).
 
 A norm applied to a *head-sharded* tensor under tensor parallelism (attention q/k norms, the GDN
 output norm) sees only its rank's heads, so its weight gradient is partial per rank. Such norms are
@@ -66,6 +68,21 @@ class GatedRMSNorm(torch.nn.Module):
         # Order as the reference: normalise in float32, cast, scale by w, gate by silu(z) in float32.
         h = _tp_weight(self.weight, self.tp_group) * h.to(x.dtype)
         return (h * F.silu(z.to(work))).to(x.dtype)
+
+
+class SigmoidGatedRMSNorm(torch.nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, tp_group=None, dtype=torch.float32):
+        super().__init__()
+        self.eps = eps
+        self.tp_group = tp_group
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        work = _work_dtype(x.dtype)
+        h = x.to(work)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = _tp_weight(self.weight, self.tp_group).to(work) * h
+        return (h * torch.sigmoid(z.to(work))).to(x.dtype)
 
 
 class RMSNorm(torch.nn.Module):

@@ -38,7 +38,7 @@ class ReplayModelMixin:
         return self(input_ids, state=state, hidden_only=True)
 
     def forward_state(self, input_ids: torch.Tensor, state) -> torch.Tensor | None:
-        hidden = self.embedding(input_ids=input_ids, position_ids=None) if self.pre_process else self.decoder.input_tensor
+        hidden = self.decoder_input(input_ids) if self.pre_process else self.decoder.input_tensor
         layers = list(self.decoder.layers)
         stop_early = self.post_process  # only the model's last layer has an output nobody needs
         for layer in (layers[:-1] if stop_early else layers):
@@ -50,7 +50,8 @@ class ReplayModelMixin:
         from longstraw_mcore.memory.staging import staged
 
         with staged(layer_state(state, last.layer_number), hidden.device):  # memory.state_offload / fp8
-            last.self_attention.produce_state(last.input_layernorm(hidden), state)
+            normed = last.input_layernorm(hidden)  # a norm slot may return (output, residual) (hyper-connections)
+            last.self_attention.produce_state(normed[0] if isinstance(normed, tuple) else normed, state)
         return None
 
     def token_outputs(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:

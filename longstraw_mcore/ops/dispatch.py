@@ -31,7 +31,7 @@ import dataclasses
 from contextlib import contextmanager
 
 from longstraw_mcore.config import OpsConfig
-from longstraw_mcore.ops import block_attention, dsa, fla_gdn, flash_attention, gated_delta, triton_interpret
+from longstraw_mcore.ops import block_attention, dsa, fla_gdn, flash_attention, gated_delta, kda, triton_interpret
 from longstraw_mcore.ops.kernel_choice import DSA_DTYPES, attention_kernel_name
 
 _choice = OpsConfig()
@@ -49,7 +49,7 @@ def reset_kernels() -> None:
 
 def kernels_run() -> dict[str, dict[str, int]]:
     """{op: {kernel: calls}} since the last `reset_kernels()`: attention {flash | plain},
-    gdn_rule and gdn_conv {fla | plain}, dsa_indexer and dsa_attention {triton | plain}."""
+    gdn_rule and gdn_conv {fla | plain}, kda_rule {plain}, dsa_indexer and dsa_attention {triton | plain}."""
     return {op: dict(per) for op, per in sorted(_runs.items())}
 
 
@@ -100,6 +100,13 @@ def _gdn(op: str, x, key_dim: int | None):
 def gdn_kernel(v, key_dim: int):
     """The module whose `chunk_gated_delta_rule` runs for values `v` and keys of `key_dim`."""
     return _gdn("gdn_rule", v, key_dim)
+
+
+def kda_kernel(v):
+    """The module whose `chunk_kda` runs Kimi Delta Attention for values `v`: the plain twin (ops/kda.py)
+    until fla's KDA kernels are adapted (issue 47)."""
+    _record("kda_rule", "plain")
+    return kda
 
 
 def conv_kernel(x):

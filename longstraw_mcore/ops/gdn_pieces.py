@@ -46,16 +46,19 @@ class PieceMaps:
         return self.M @ S_in.to(self.M.dtype) + self.B
 
 
-def piece_maps(q, k, v, g, beta, chunk_size: int = 64, state_dtype=torch.float32) -> PieceMaps:
+def piece_maps(q, k, v, g, beta, chunk_size: int = 64, state_dtype=torch.float32, rule=None) -> PieceMaps:
     """The piece's maps (module docstring). q, k [B, T, h, K]; v [B, T, H, V]; g, beta [B, T, H]: the
-    rule's inputs. All four come back in `state_dtype`."""
+    rule's inputs. All four come back in `state_dtype`. `rule`: another delta rule with the same contract
+    as `chunk_gated_delta_rule` whose step is affine in the state the same way (Kimi Delta Attention's, g
+    [B, T, H, K]: its decay diag(e^{g_t}) multiplies the state from the left as e^{g_t} does); default the
+    gated delta rule's kernel for these values."""
     Bsz, T, H, V = v.shape
     K = q.shape[-1]
     values = torch.cat([v.new_zeros(Bsz, T, H, K, dtype=state_dtype), v.to(state_dtype)], dim=-1)
     start = torch.zeros(Bsz, H, K, K + V, dtype=state_dtype, device=v.device)
     start[..., :K] = torch.eye(K, dtype=state_dtype, device=v.device)
-    o, S = gdn_kernel(values, K).chunk_gated_delta_rule(q, k, values, g, beta, start, chunk_size=chunk_size,
-                                                     state_dtype=state_dtype)
+    rule = rule or gdn_kernel(values, K).chunk_gated_delta_rule
+    o, S = rule(q, k, values, g, beta, start, chunk_size=chunk_size, state_dtype=state_dtype)
     return PieceMaps(c=o[..., :K], o0=o[..., K:], M=S[..., :K], B=S[..., K:])
 
 

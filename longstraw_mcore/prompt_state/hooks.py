@@ -19,7 +19,8 @@ context and tensor parallelism) override them, and `StateContext` below keeps ea
                                                            default through read(layer) -> state entering
                                                            the call (None: start of sequence) and
                                                            write(layer, state)
-    MLA + DSA       latent(layer, own) -> MLAKeys          the latents its queries may see, given its own
+    MLA + DSA       latent(layer, own) -> MLAKeys          the latents its queries may see, given its own (a
+                                                           pooled indexer's keys: raw, pooled where selected)
                     attend_latent(query, keys, own, tp, kv)  the sparse attention over them: (out, selection)
 
 Shapes (package legend; local to the TP rank): attention k/v `[B, S, Hk, D]` after k-norm and RoPE;
@@ -75,6 +76,7 @@ class MLAKeys:
     ik: torch.Tensor | None    # [B, S, Di], likewise
     pos: torch.Tensor          # [S] global positions
     counted: torch.Tensor | None = None  # [S] bool: rows this rank counts when the state is sharded (None: all)
+    ig: torch.Tensor | None = None  # [B, S, Di] pooled indexers (GLM-5.3-Flash): the gate scores pooling ik
 
 
 @dataclass
@@ -92,6 +94,7 @@ class LatentQuery:
     index: tuple | None = None      # full layer: the indexer's (queries [B, T, Hi, Di], weights [B, T, Hi]), no grad
     selection: tuple | None = None  # shared layer: the previous full layer's (keys [B, T, k], valid [B, T, k])
     query_block: int = 0            # memory.mla_query_block: queries per block whose selection is recomputed
+    pool: tuple | None = None       # full layer of a pooled indexer: (ape [kpool, Di], kpool) (ops/dsa_pool.py)
 
 
 class StateHooks:
@@ -136,7 +139,12 @@ class StateHooks:
         from longstraw_mcore.ops.dispatch import dsa_kernel
 
         selection = query.selection
-        if query.index is not None:
+        if query.index is not None and query.pool is not None:
+            from longstraw_mcore.ops.dsa_pool import pooled_rows
+
+            qi, wi = query.index
+            selection = pooled_rows(qi, wi, query.pos, keys.ik, keys.ig, keys.pos, *query.pool, query.topk, query.block)
+        elif query.index is not None:
             qi, wi = query.index
             with torch.no_grad():
                 rows, vals = dsa_kernel(qi, "dsa_indexer").indexer_topk(qi, keys.ik, wi, query.pos, keys.pos,

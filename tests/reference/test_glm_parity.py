@@ -59,8 +59,9 @@ def _hf_model(cfg, seed):
     return model
 
 
-def build_glm(m, tp: int = 1, ep: int = 1):
-    """(our GLM model, its layout) on freshly initialised Megatron groups of this world."""
+def build_glm(m, tp: int = 1, ep: int = 1, build=None):
+    """(our GLM model, its layout) on freshly initialised Megatron groups of this world; `build`: a family's
+    build_model (GLM-5.2's by default)."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -80,7 +81,7 @@ def build_glm(m, tp: int = 1, ep: int = 1):
     par = SimpleNamespace(tp=tp, pp=1, cp=1, ep=ep, pgs=pgs, is_first_stage=True, is_last_stage=True,
                           dp=dist.get_world_size() // tp, pp_rank=0, stage_layers=[m.num_layers], tp_kv=None, vpp=1,
                           virtual_layers=None)
-    return build_model(m, par, "cpu"), par
+    return (build or build_model)(m, par, "cpu"), par
 
 
 

@@ -103,12 +103,16 @@ class MLADSAMixer(MegatronModule):
             self.indexer = _Indexer(config, m, col)
         self.scale = (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5
 
+    def _rope(self, x, pos):
+        """RoPE on the last dim of x [B, T, (h,) d] at positions `pos` (GLM-5.3-Flash's subclass has none)."""
+        return rope_interleaved(x, pos, self.m.rope_theta)
+
     @torch.no_grad()
     def _index_key(self, x, pos):
         m, ix = self.m, self.indexer
         Dr = m.qk_rope_head_dim
         ki = ix.k_norm(ix.wk(x)[0])
-        return torch.cat([rope_interleaved(ki[..., :Dr], pos, m.rope_theta), ki[..., Dr:]], -1)
+        return torch.cat([self._rope(ki[..., :Dr], pos), ki[..., Dr:]], -1)
 
     @torch.no_grad()
     def _index_queries(self, x, q_resid, pos):
@@ -117,14 +121,14 @@ class MLADSAMixer(MegatronModule):
         B, T, _ = x.shape
         Dr = m.qk_rope_head_dim
         qi = ix.wq_b(q_resid)[0].view(B, T, m.index_n_heads, m.index_head_dim)
-        qi = torch.cat([rope_interleaved(qi[..., :Dr], pos, m.rope_theta), qi[..., Dr:]], -1)
+        qi = torch.cat([self._rope(qi[..., :Dr], pos), qi[..., Dr:]], -1)
         return qi, ix.weights_proj(x)[0] * m.index_n_heads ** -0.5
 
     def _own(self, x, pos) -> MLAKeys:
         """The latents of this call's tokens at positions `pos` (the state a later token needs)."""
         R = self.m.kv_lora_rank
         kv = self.kv_a_proj_with_mqa(x)[0]
-        return MLAKeys(self.kv_a_layernorm(kv[..., :R]), rope_interleaved(kv[..., R:], pos, self.m.rope_theta),
+        return MLAKeys(self.kv_a_layernorm(kv[..., :R]), self._rope(kv[..., R:], pos),
                        self._index_key(x, pos) if self.full else None, pos)
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, **kwargs):
@@ -140,18 +144,24 @@ class MLADSAMixer(MegatronModule):
         q_resid = self.q_a_layernorm(self.q_a_proj(x)[0])
         q = self.q_b_proj(q_resid)[0].view(B, T, self.h, Dn + Dr)
         q_nope, q_pe = q.split([Dn, Dr], -1)
-        q_pe = rope_interleaved(q_pe, pos, m.rope_theta)
+        q_pe = self._rope(q_pe, pos)
         if not self.full and self.share.selection is None:
             raise RuntimeError(f"layer {self.layer_number} shares the top-k of a previous full layer, but none ran")
         w = effective_weight(self.kv_b_proj).view(self.h, Dn + Dv, R)  # W (+ its adapter: adapters/lora.py)
         query = LatentQuery(q_nope, q_pe, w[:, :Dn], w[:, Dn:], pos, self.scale, m.index_topk, m.index_block,
                             index=self._index_queries(x, q_resid, pos) if self.full else None,
-                            selection=None if self.full else self.share.selection, query_block=self.query_block)
+                            selection=None if self.full else self.share.selection, query_block=self.query_block,
+                            pool=self._pool())
         o, selection = ctx.attend_latent(query, keys, own, self.tp_group, self.kv)
         if self.full:
             self.share.selection = selection
         out, _ = self.o_proj(o.reshape(B, T, self.h * Dv).transpose(0, 1).contiguous())
         return out, None
+
+    def _pool(self):
+        """A full layer's pooled-key parameters (ape, kpool) where its indexer scores pools of tokens (GLM-5.3-Flash),
+        else None."""
+        return None
 
     # memory.recompute=layer (memory/layers.py): what a call reads besides its arguments, handed to its
     # recompute: a shared layer's selection is the previous full layer's *at the forward*; by its
