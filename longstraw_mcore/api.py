@@ -70,6 +70,7 @@ class Session:
         critic, scorer = second_models(args, cfg, par, model)
         trainer = Trainer(cfg, par, ddp, opt, list(groups), ref_model=reference_model(args, cfg, par), log=log,
                           online=online, stop=stop, critic=critic, reward_model=scorer)
+        trainer.passthrough = _passthrough(args, cfg)
         return cls(cfg, par, model, ddp, opt, trainer)
 
     # --- the loop ----------------------------------------------------------------------------------
@@ -116,17 +117,35 @@ class Session:
         """Load the newest complete checkpoint under `root`; False when there is none."""
         return self.trainer.resume(root)
 
-    def hf_weights(self, dst: int = 0):
+    def hf_weights(self, dst: int = 0, kept: bool = True):
         """The current weights as (Hugging Face name, full tensor) pairs, one tensor at a time; the tensors
         on rank `dst`, None on the others (collective: every rank iterates to the end). The names and values
         are what `longstraw convert` writes to a Hugging Face directory (the base model's: an adapter's
-        tensors are not merged in)."""
+        tensors are not merged in): last, the tensors kept unchanged beside the decoder (a VLM's vision tower,
+        checkpoint/passthrough.py; `kept=False` leaves them out, e.g. for an engine that holds them already)."""
+        import torch.distributed as dist
+
         from longstraw_mcore.checkpoint.convert import hf_tensors
         from longstraw_mcore.families import get_family
 
         stream = hf_tensors(get_family(self.cfg.model.family), self.ddp.module, self.cfg.model, dst=dst)
         next(stream)
         yield from stream
+        source = self.trainer.passthrough
+        if kept and source is not None:
+            if not dist.is_initialized() or dist.get_rank() == dst:
+                yield from source.items()
+            else:
+                yield from ((name, None) for name in source.names())
+
+    def hf_config(self) -> dict:
+        """The config.json `longstraw convert` writes beside `hf_weights()`' tensors."""
+        from longstraw_mcore.checkpoint.passthrough import export_config
+        from longstraw_mcore.families import get_family
+
+        source = self.trainer.passthrough
+        return export_config(get_family(self.cfg.model.family).checkpoint, self.cfg.model,
+                             None if source is None else source.config)
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -147,6 +166,19 @@ def _as_row(g) -> dict:
         if getattr(g, k) is not None:
             row[k] = getattr(g, k)
     return row
+
+
+def _passthrough(args, cfg: RunConfig):
+    """The tensors a full-parameter run keeps beside the decoder for export (checkpoint/passthrough.Source, from
+    its --hf directory or --load checkpoint), or None (none kept; a LoRA run's steps hold only the adapter)."""
+    if cfg.adapter.enabled:
+        return None
+    from longstraw_mcore.checkpoint.passthrough import Source
+    from longstraw_mcore.families import get_family
+
+    if getattr(args, "hf", None):
+        return Source.of_hf(get_family(cfg.model.family), args.hf, cfg.model)
+    return Source.of_checkpoint(args.load) if getattr(args, "load", None) else None
 
 
 def second_models(args, cfg: RunConfig, par, policy):

@@ -1,6 +1,9 @@
 """A merged Hugging Face model: each adapted projection's weight W + (alpha / r) B A, computed in
-float64 and stored in the base's dtype; every other tensor copied. `family`: the base's record (the
-registry's, handed in by the caller)."""
+float64 and stored in the base's dtype; every other tensor copied. A family that keeps tensors beside the decoder
+(checkpoint/passthrough.py: a VLM's vision tower) gets the decoder's and those, under its `hf_config_dict(m, the
+base's config.json)`, as `mcore_to_hf_dir` writes them (anything else the reader keeps, e.g. MTP layers, left out);
+any other family everything its reader keeps. `family`: the base's record (the registry's, handed in by the
+caller)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from pathlib import Path
 import torch
 
 from longstraw_mcore.adapters.peft_io import read_peft
+from longstraw_mcore.checkpoint import passthrough
 from longstraw_mcore.checkpoint.hf import SafetensorsDir, write_hf
 from longstraw_mcore.config import AdapterConfig
 
@@ -19,8 +23,13 @@ def merge_into_hf(family, base_dir: str | Path, adapter_dir: str | Path, dst: st
     m, raw = mapping.read_config(base_dir)
     cfg, adapter = read_peft(adapter_dir, mapping.adapter_sites(m), AdapterConfig())
     tensors = SafetensorsDir(base_dir, mapping.tensor_name)
+    kept = passthrough.names(mapping, tensors, m, base_dir)
+    names = list(tensors)
+    if kept:
+        shapes, kept_set = mapping.hf_shapes(m), set(kept)
+        names = [n for n in names if n in shapes or n in kept_set]
     out = {}
-    for name in tensors:
+    for name in names:
         w = tensors[name]
         module = name[:-len(".weight")] if name.endswith(".weight") else None
         if module in adapter:
@@ -28,6 +37,6 @@ def merge_into_hf(family, base_dir: str | Path, adapter_dir: str | Path, dst: st
             w = (w.to(torch.float64) + cfg.scale * B @ A).to(w.dtype)
         out[name] = w
     merged = sum(1 for n in tensors if n.endswith(".weight") and n[:-7] in adapter)
-    write_hf(dst, out, raw if mapping.config_is_decoder_only(raw) else mapping.hf_config_dict(m))
+    write_hf(dst, out, passthrough.export_config(mapping, m, passthrough.recorded_config(mapping, raw, bool(kept))))
     log(f"[merge] {dst}: {merged} weights merged (r={cfg.rank}, alpha={cfg.alpha:g}), {len(out)} tensors")
     return merged

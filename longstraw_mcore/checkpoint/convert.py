@@ -4,7 +4,10 @@ and a model's tensors (or gradients) streamed out under Hugging Face names.
 `hf_to_mcore_dir` validates everything (architecture, every tensor's presence and shape, that the
 target layout divides the model) before it creates anything on disk, then writes a layout-free
 Megatron checkpoint from one process with the tensors' own dtypes: HF -> Megatron -> HF is
-bit-exact. The original `config.json` is recorded, so `mcore_to_hf_dir` gives it back. Megatron
+bit-exact. The original `config.json` is recorded when it describes only the decoder, so `mcore_to_hf_dir`
+gives it back; tensors the family keeps beside the decoder (a VLM's vision tower: `passthrough_names`,
+checkpoint/passthrough.py) are stored beside the Megatron checkpoint with the config.json that describes
+them, and written back bit for bit under it. Megatron
 checkpoints written by training hold vocabulary tensors padded for their layout: the padding is
 dropped on the way out (the true vocabulary is in the recorded model config). Family-specific parts
 (config reader, mapping table: checkpoint/<family>.py) come with the family record the caller hands
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from longstraw_mcore.checkpoint import heads
+from longstraw_mcore.checkpoint import heads, passthrough
 from longstraw_mcore.checkpoint.dist_ckpt import load_full_tensors, read_checkpoint_meta, save_full_tensors
 from longstraw_mcore.checkpoint.full_state import load_full, stream_full
 from longstraw_mcore.checkpoint.hf import read_tensors, write_hf
@@ -47,22 +50,31 @@ def hf_to_mcore_dir(family, src: str | Path, dst: str | Path, tp: int = 1, pp: i
     tensors, skipped = read_tensors(src, mapping.tensor_name)
     canonical = mapping.hf_to_mcore(tensors, m, where=str(src))
     skipped = skipped + mapping.skipped_names(tensors, m)
-    unused = sorted(set(tensors) - set(mapping.hf_shapes(m)) - set(skipped))
+    kept = passthrough.names(mapping, tensors, m, src)  # (not the decoder's: kept for export)
+    unused = sorted(set(tensors) - set(mapping.hf_shapes(m)) - set(skipped) - set(kept))
     if unused:
         raise CheckpointError(f"{src}: tensor(s) {unused[:5]} are not part of a {m.family} text decoder of this "
                               "config (wrong config.json?)")
-    if skipped:
-        log(f"[convert] skipped {len(skipped)} tensors outside the decoder "
-            f"(vision tower / multi-token prediction), e.g. {skipped[:3]}")
+    kept_set = set(kept)
+    dropped = [n for n in skipped if n not in kept_set]
+    if dropped:
+        log(f"[convert] skipped {len(dropped)} tensors outside the decoder "
+            f"(vision tower / multi-token prediction), e.g. {dropped[:3]}")
     _init_cpu_process()
-    # the original config.json goes back out unless it describes more than the decoder (a VLM's)
-    keep = mapping.config_is_decoder_only(raw)
-    save_full_tensors(canonical, dst, m, extra={"hf_config": raw if keep else None, "source": str(src),
-                                                "target_layout": {"tp": tp, "pp": pp, "ep": ep}})
+    # the original config.json goes back out if it describes only the decoder, or the kept tensors with it
+    extra = {"hf_config": passthrough.recorded_config(mapping, raw, bool(kept)), "source": str(src),
+             "target_layout": {"tp": tp, "pp": pp, "ep": ep}}
+
+    def keep(tmp) -> None:
+        n = passthrough.write(tmp, tensors, kept)
+        log(f"[convert] kept {len(kept)} tensors beside the decoder for export ({n / 2**20:.1f} MiB, "
+            f"{passthrough.FILE}), e.g. {kept[:3]}")
+
+    save_full_tensors(canonical, dst, m, extra=extra, files=keep if kept else None)
     nbytes = sum(t.numel() * t.element_size() for t in canonical.values())
     log(f"[convert] wrote {len(canonical)} tensors ({nbytes / 2**30:.3f} GiB) to {dst}; loads at any tp/pp/ep "
         f"(checked for tp={tp}, pp={pp}, ep={ep})")
-    return {"tensors": len(canonical), "bytes": nbytes, "skipped": skipped}
+    return {"tensors": len(canonical), "bytes": nbytes, "skipped": skipped, "kept": kept}
 
 
 def _unpad(hf: dict[str, torch.Tensor], shapes: dict) -> dict[str, torch.Tensor]:
@@ -86,9 +98,14 @@ def mcore_to_hf_dir(family, src: str | Path, dst: str | Path, log=print) -> dict
     _init_cpu_process()
     mapping = family.checkpoint
     hf = _unpad(mapping.mcore_to_hf(load_full_tensors(src), m), mapping.hf_shapes(m))
-    write_hf(dstp, hf, meta.get("hf_config") or mapping.hf_config_dict(m))
-    log(f"[convert] wrote {len(hf)} tensors to {dstp}")
-    return {"tensors": len(hf)}
+    kept = passthrough.read(src)
+    if kept and meta.get("hf_config") is None:
+        raise CheckpointError(f"{src}: holds {passthrough.FILE} but no recorded hf_config (the config.json "
+                              "describing its tensors)")
+    config = passthrough.export_config(mapping, m, meta.get("hf_config"))
+    write_hf(dstp, passthrough.add_to_export(hf, kept, src), config)
+    log(f"[convert] wrote {len(hf)} decoder tensors" + (f" and {len(kept)} kept ones" if kept else "") + f" to {dstp}")
+    return {"tensors": len(hf) + len(kept), "kept": len(kept)}
 
 
 def _init_cpu_process() -> None:

@@ -81,11 +81,13 @@ def save_checkpoint(model, directory: str | Path, model_cfg: ModelConfig, layout
     return dst
 
 
-def save_full_tensors(tensors: dict, directory: str | Path, model_cfg: ModelConfig, extra: dict | None = None):
+def save_full_tensors(tensors: dict, directory: str | Path, model_cfg: ModelConfig, extra: dict | None = None,
+                      files=None):
     """Save full canonical tensors from one process, dtypes untouched.
 
     Each tensor is one whole shard under its canonical key. The canonical layout *is* Megatron's
-    global layout (including SwiGLU fc1 = [gate; up]), so the result loads at any tp/pp."""
+    global layout (including SwiGLU fc1 = [gate; up]), so the result loads at any tp/pp. `files(tmp)`:
+    writes further files into the temporary directory before it is published (e.g. checkpoint/passthrough.py's)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -98,6 +100,8 @@ def save_full_tensors(tensors: dict, directory: str | Path, model_cfg: ModelConf
     try:
         sharded = {k: ShardedTensor.from_rank_offsets(k, t.contiguous(), replica_id=0) for k, t in tensors.items()}
         dist_checkpointing.save(sharded, str(tmp))
+        if files is not None:
+            files(tmp)
         _publish(dst, tmp, meta_dict(model_cfg, {"tp": 1, "pp": 1, "cp": 1, "dp": 1, "world_size": 1}, extra))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

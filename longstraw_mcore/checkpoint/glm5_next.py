@@ -21,7 +21,8 @@ Per layer i, `L` = model.language_model.layers.i., `G` = decoder.layers.i.:
   model.language_model.{embed_tokens, norm}.weight, lm_head.weight -> embedding.word_embeddings.weight,
     decoder.final_layernorm.weight, output_layer.weight
 
-Not the decoder's, counted and dropped on load (`skipped_names`): the vision tower, model.visual.*
+Not the decoder's, counted and dropped on load (`skipped_names`); the vision tower kept for export
+(`passthrough_names`): model.visual.*
 (blocks.{b}.attn.{qkv, proj}.{weight, bias}, blocks.{b}.attn.{q, k}_norm.weight, blocks.{b}.mlp.{gate, up,
 down}_proj.{weight, bias}, blocks.{b}.norm{1, 2}.weight, patch_embed.proj.{weight, bias}, post_layernorm.weight,
 downsample.{weight, bias}, merger.{proj, gate_proj, up_proj, down_proj}.weight, merger.post_projection_norm.{weight,
@@ -158,6 +159,15 @@ def skipped_names(names, m: Glm5NextConfig) -> list[str]:
                 or (hit is not None and int(hit.group(1)) >= m.num_layers)):
             out.append(name)
     return out
+
+
+def passthrough_names(names, m: Glm5NextConfig) -> list[str]:
+    """The stored names that go back out unchanged on export (checkpoint/passthrough.py): the vision tower,
+    `model.visual.*`, which the only transformers class (the VLM) needs and the recorded config.json describes. Not
+    the MTP layers: transformers drops them on load (`_keys_to_ignore_on_load_unexpected`), and after training the
+    decoder they would be stale (their `shared_head` copies of the head, their draft predictions made from the old
+    decoder's states), so an export leaves them out (a serving engine then runs without the MTP draft)."""
+    return [name for name in names if name.startswith("model.visual.")]
 
 
 class LazyCanonical(rule_table.LazyCanonical):
@@ -352,7 +362,7 @@ def hf_config_dict(m: Glm5NextConfig, raw: dict | None = None) -> dict:
 
 def tensor_name(key: str) -> str:
     """A stored key under the name the table reads it by: the stored names themselves (the vision tower and MTP
-    layers are set aside by `skipped_names`, so a later exporter can still pass the vision tensors through)."""
+    layers are set aside by `skipped_names`; the exporters pass the vision tensors through: `passthrough_names`)."""
     return key
 
 

@@ -7,6 +7,7 @@ is still to build (the pooled indexer's prompt state, the planner's own terms)."
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 from longstraw_mcore.checkpoint import glm5_next as checkpoint, heads
@@ -18,6 +19,7 @@ from longstraw_mcore.planner.activations import (gdn_backward_scratch, gdn_bytes
 from longstraw_mcore.planner.flops_hybrid import GatedDeltaNetFlops
 from longstraw_mcore.prompt_state.gdn import GDNRecurrentState
 from longstraw_mcore.prompt_state.kinds import LayerKind
+from longstraw_mcore.prompt_state.mla_pool import MLAPoolIndexerState
 
 # The planner's terms are the nearest existing ones (Gated DeltaNet's for KDA, GLM-5.2's for MLA) until the family
 # has its own (docs/glm5-next-plan.md step 11: per-channel decay, pooled keys, the streams): not yet a plan to trust.
@@ -26,7 +28,7 @@ LAYERS = {
     "kda": LayerKind(state=GDNRecurrentState, activation_bytes=partial(hybrid_layer_bytes, gdn_bytes),
                      norm_bytes=rms_norm_bytes, flops=GatedDeltaNetFlops(), capture_bytes=gdn_capture_bytes,
                      backward_scratch=gdn_backward_scratch),
-    "mla_dsa_full": GLM_LAYERS["mla_dsa_full"],
+    "mla_dsa_full": dataclasses.replace(GLM_LAYERS["mla_dsa_full"], state=MLAPoolIndexerState),
     "mla_dsa_shared": GLM_LAYERS["mla_dsa_shared"],
 }
 

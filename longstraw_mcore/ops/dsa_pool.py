@@ -29,8 +29,9 @@ tokens, and always sees the tokens of its own incomplete pool up to itself (the 
                       for i < (t + 1) % kpool (empty when t closes a pool: that pool is then a candidate like
                       any other, so a query at the end of a pool sees itself only if its pool is chosen).
     pooled_selection  the three for one call whose keys are its own tokens from position 0.
-    pooled_rows       the selection as rows of a key set of consecutive positions from a pool boundary (raw k, g;
-                      one rank's whole keys): what an MLA layer's attention over those keys takes.
+    pooled_positions  the selection among given complete pools (a prompt state's and a call's) as global
+                      positions; pools_from: the complete pools of raw keys from a pool boundary; rows_of: global
+                      positions as rows of a key set (one rank's whole keys).
 
 What the attention sees is the SET of valid positions (the order is not transformers'). transformers returns
 int32 indices of width index_topk + kpool - 1, padded with -1 whatever the number of pools; ours are long, of
@@ -135,18 +136,38 @@ def pooled_selection(q: torch.Tensor, weights: torch.Tensor, q_pos: torch.Tensor
 
 
 @torch.no_grad()
-def pooled_rows(q: torch.Tensor, weights: torch.Tensor, q_pos: torch.Tensor, k, g, k_pos: torch.Tensor,
-                ape: torch.Tensor, kpool: int, index_topk: int, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """The selection over a key set of consecutive positions k_pos[0] .. (k_pos[0] a multiple of kpool; k, g raw
-    [B, S, Di] or (head, tail) pairs of their rows) as (rows [B, T, w] into the keys, 0 where not valid; valid)."""
-    k, g = joined_rows(k), joined_rows(g)
-    start = int(k_pos[0]) if k_pos.numel() else 0
-    if k_pos.numel() and int(k_pos[-1]) - start != k_pos.numel() - 1:
-        raise ValueError(f"pooled_rows: key positions {start}..{int(k_pos[-1])} are not {k_pos.numel()} consecutive "
-                         "positions")
+def pooled_positions(q: torch.Tensor, weights: torch.Tensor, q_pos: torch.Tensor, pools: tuple, kpool: int,
+                     index_topk: int, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selection of queries at `q_pos` among `pools` = (pooled [B, P, Di] or a (head, tail) pair of its rows,
+    ends [P]: every complete pool the call may see; later ones are masked by position) as global positions:
+    (positions [B, T, w], valid). The same on every rank that holds the same pools (they are replicated)."""
     if index_topk < kpool or index_topk % kpool:
         raise ValueError(f"index_topk={index_topk} is not a positive multiple of index_kpool={kpool}")
-    pooled, ends = pool_keys(k, g, ape, kpool, start)
+    pooled, ends = pools
     rows, valid = pooled_topk(q, weights, q_pos, pooled, ends, index_topk // kpool, block)
-    positions, ok = expand_selection(rows, valid, ends, kpool, q_pos)
-    return (positions - start).clamp(min=0).masked_fill(~ok, 0), ok
+    return expand_selection(rows, valid, ends, kpool, q_pos)
+
+
+@torch.no_grad()
+def pools_from(k, g, pos: torch.Tensor, pooling: tuple) -> tuple:
+    """The complete pools of raw keys k, g [B, S, Di] at consecutive positions `pos` starting at a pool boundary,
+    `pooling` = (ape, kpool): (pooled, ends), as `pooled_positions` takes them."""
+    ape, kpool = pooling
+    start = int(pos[0]) if pos.numel() else 0
+    if pos.numel() and int(pos[-1]) - start != pos.numel() - 1:
+        raise ValueError(f"pooled indexer: key positions {start}..{int(pos[-1])} are not {pos.numel()} consecutive "
+                         "positions")
+    return pool_keys(joined_rows(k), joined_rows(g), ape, kpool, start)
+
+
+def rows_of(positions: torch.Tensor, valid: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """Global positions [B, T, w] -> rows of a key set whose positions are `key_pos` [S] (0 where not valid; a valid
+    position must be among them)."""
+    size = int(key_pos.max()) + 1 if key_pos.numel() else 1
+    lookup = torch.full((size + 1,), -1, dtype=torch.long, device=key_pos.device)
+    lookup[key_pos] = torch.arange(key_pos.numel(), device=key_pos.device)
+    rows = lookup[positions.clamp(0, size)]
+    if bool((valid & (rows < 0)).any()):
+        raise RuntimeError("pooled indexer: a selected position is not among the keys (the pools and the key rows "
+                           "disagree)")
+    return rows.clamp(min=0)

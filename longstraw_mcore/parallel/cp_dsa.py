@@ -36,6 +36,8 @@ the layout.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -115,7 +117,14 @@ def attend_latent_sharded(query, keys, own, tp_group, kv, layout: CPLayout | Non
         q_nope, q_pe = GatherHeads.apply(q_nope, kv), GatherHeads.apply(q_pe, kv)
         w_uk = GatherHeads.apply(w_uk[None, None], kv)[0, 0]
     selection = query.selection
-    if query.index is not None:
+    if query.index is not None and query.pool is not None:  # pooled indexer: pools replicated on every rank
+        from longstraw_mcore.prompt_state.hooks import pooled_selection_of
+
+        qi, wi = query.index
+        if chunk is not None:
+            qi, wi = gather_tokens(qi, layout, chunk[0]), gather_tokens(wi, layout, chunk[0])
+        selection = pooled_selection_of(dataclasses.replace(query, index=(qi, wi), pos=q_pos), keys)
+    elif query.index is not None:
         with torch.no_grad():
             qi, wi = query.index
             if chunk is not None:

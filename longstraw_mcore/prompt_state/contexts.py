@@ -52,6 +52,8 @@ before: 9.37 MiB); the sequence path 36 all-gathers, 0.43 MiB. Megatron's own GD
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from longstraw_mcore.ops.attention import KeySet
@@ -141,7 +143,13 @@ class CaptureContext(_ChunkBase):
         return self.state.layers[n].capture_read(self.chunk, self.keep_boundaries)
 
     def latent(self, n: int, own):
-        return self.state.layers[n].capture_latent(own, self.local_span[0])
+        if own.ig is None or self.layout is None:
+            return self.state.layers[n].capture_latent(own, self.local_span[0])
+        from longstraw_mcore.parallel.cp_comm import gather_tokens
+
+        # a pooled indexer (prompt_state/mla_pool.py) pools the whole chunk's raw keys, in order, on every rank
+        raw = (gather_tokens(own.ik, self.layout, self.T), gather_tokens(own.ig, self.layout, self.T), self.span[0])
+        return self.state.layers[n].capture_latent(own, self.local_span[0], raw)
 
     def write(self, n: int, new) -> None:
         self.state.layers[n].capture_write(new)
@@ -202,7 +210,7 @@ class ReplayContext(_Base):
         # the branch's own latents are replicated and counted on rank 0 only: their gradient (rank 0's)
         # is summed over the ranks so that every replica holds it (parallel/cp_dsa.py)
         g = self.layout.group
-        own = MLAKeys(copy_to(own.c, group=g), copy_to(own.pe, group=g), own.ik, own.pos)
+        own = dataclasses.replace(own, c=copy_to(own.c, group=g), pe=copy_to(own.pe, group=g))
         return self.state.layers[n].replay_latent(own, own_counted=self.layout.rank == 0)
 
     def attend_latent(self, query, keys, own, tp_group, kv=None):

@@ -76,7 +76,12 @@ class MLAKeys:
     ik: torch.Tensor | None    # [B, S, Di], likewise
     pos: torch.Tensor          # [S] global positions
     counted: torch.Tensor | None = None  # [S] bool: rows this rank counts when the state is sharded (None: all)
-    ig: torch.Tensor | None = None  # [B, S, Di] pooled indexers (GLM-5.3-Flash): the gate scores pooling ik
+    # A pooled indexer (GLM-5.3-Flash, ops/dsa_pool.py): a call's own keys carry `ik` and the gate scores `ig` raw
+    # [B, S, Di] and `pooling` = (ape [kpool, Di], kpool); keys handed back by a prompt state carry `pools` = (pooled,
+    # ends): every complete pool the call's queries may see (None: pool the raw `ik`, `ig` of the keys here)
+    ig: torch.Tensor | None = None
+    pooling: tuple | None = None
+    pools: tuple | None = None
 
 
 @dataclass
@@ -140,10 +145,10 @@ class StateHooks:
 
         selection = query.selection
         if query.index is not None and query.pool is not None:
-            from longstraw_mcore.ops.dsa_pool import pooled_rows
+            from longstraw_mcore.ops.dsa_pool import rows_of
 
-            qi, wi = query.index
-            selection = pooled_rows(qi, wi, query.pos, keys.ik, keys.ig, keys.pos, *query.pool, query.topk, query.block)
+            positions, ok = pooled_selection_of(query, keys)
+            selection = (rows_of(positions, ok, keys.pos), ok)
         elif query.index is not None:
             qi, wi = query.index
             with torch.no_grad():
@@ -165,6 +170,16 @@ class StateHooks:
 
     def is_decode_only(self) -> bool:
         return False
+
+
+def pooled_selection_of(query: LatentQuery, keys: MLAKeys):
+    """A pooled indexer's selection for `query` over `keys` (their `pools`, or the complete pools of their raw
+    keys): (global positions [B, T, w], valid), the same on every rank that sees the same pools."""
+    from longstraw_mcore.ops.dsa_pool import pooled_positions, pools_from
+
+    qi, wi = query.index
+    pools = keys.pools if keys.pools is not None else pools_from(keys.ik, keys.ig, keys.pos, query.pool)
+    return pooled_positions(qi, wi, query.pos, pools, query.pool[1], query.topk, query.block)
 
 
 NO_STATE = StateHooks()

@@ -59,7 +59,8 @@ class Segment:
             if isinstance(rec, GDNState):
                 self.leaves[n] = GDNState(conv=_leaf(rec.conv, grad), recurrent=_leaf(rec.recurrent, grad))
             elif isinstance(rec, MLAKeys):
-                self.leaves[n] = MLAKeys(_leaf(rec.c, grad), _leaf(rec.pe, grad), _leaf(rec.ik, False), rec.pos)
+                self.leaves[n] = MLAKeys(_leaf(rec.c, grad), _leaf(rec.pe, grad), _leaf(rec.ik, False), rec.pos,
+                                         ig=_leaf(rec.ig, False))
             else:
                 self.leaves[n] = tuple(_leaf(t, grad) for t in rec)
 
@@ -123,5 +124,6 @@ class SegmentPath:
             return torch.cat([x.to(last.dtype).expand(B, *x.shape[1:]) for x in xs] + [last], 1)
 
         ik = None if own.ik is None else cat([r.ik for r in recs], own.ik)
+        ig = None if own.ig is None else cat([r.ig for r in recs], own.ig)  # a pooled indexer's gate scores
         return MLAKeys(cat([r.c for r in recs], own.c), cat([r.pe for r in recs], own.pe), ik,
-                       torch.cat([r.pos for r in recs] + [own.pos]))
+                       torch.cat([r.pos for r in recs] + [own.pos]), ig=ig, pooling=own.pooling)

@@ -87,9 +87,10 @@ def _load_model(model, path: Path) -> None:
 
 def save_step(root: str | Path, step: int, model, torch_optimizers: list, model_cfg, layout: dict, history: list,
               extra: dict, fault: Callable[[str], None] | None = None, rank_extra: dict | None = None,
-              optimizer=None) -> Path:
+              optimizer=None, files: Callable[[Path], None] | None = None) -> Path:
     """Write and publish step `step` from every rank (collective). `optimizer`: written layout-free
-    (train/optimizer_state.py) into `optimizer/`; None: the torch optimizers' states per rank."""
+    (train/optimizer_state.py) into `optimizer/`; None: the torch optimizers' states per rank. `files(tmp)`: rank 0
+    writes further files into the step before its manifest (checkpoint/passthrough.py's kept tensors)."""
     fault = fault or (lambda point: None)
     root = Path(root).resolve()
     rank = dist.get_rank()
@@ -112,6 +113,8 @@ def save_step(root: str | Path, step: int, model, torch_optimizers: list, model_
     dist.barrier()
     fault("optimizer")
     if rank == 0:
+        if files is not None:
+            files(tmp)
         (tmp / CONFIG_FILE).write_text(json.dumps(meta_dict(model_cfg, layout, {"step": step, **extra}), indent=2))
         (tmp / "metrics.json").write_text(json.dumps(history))
         write_manifest(tmp)

@@ -158,6 +158,9 @@ class Trainer:
         self.bad_in_a_row = 0
         self.skipped_updates = 0
         self.critic, self.reward_model = critic, reward_model
+        # tensors kept beside the decoder (a VLM's vision tower; checkpoint/passthrough.Source), copied into every
+        # step saved: api.Session.build sets it from --hf / --load, a save or a resume moves it to that step
+        self.passthrough = None
 
     def _dp_rank(self) -> int:
         return self.par.pgs.dp.rank()
@@ -305,10 +308,17 @@ class Trainer:
                       optimizer=opt if free else None)
         layout_free = supported(self.opt, self.ddp.module) is None
         extra = self.opt.extra_state() if hasattr(self.opt, "extra_state") and not layout_free else None
-        return save_step(root, self.step, self.ddp.module, _torch_optimizers(self.opt), self.cfg.model,
-                         self.par.layout(), self.history, {"run_config": asdict(self.cfg), **self._source_state()},
-                         fault=fault,
-                         rank_extra=extra, optimizer=self.opt if layout_free else None)
+        kept = self.passthrough
+        meta = {"run_config": asdict(self.cfg), **self._source_state()}
+        if kept is not None:
+            meta["hf_config"] = kept.config
+        dst = save_step(root, self.step, self.ddp.module, _torch_optimizers(self.opt), self.cfg.model,
+                        self.par.layout(), self.history, meta, fault=fault,
+                        rank_extra=extra, optimizer=self.opt if layout_free else None,
+                        files=None if kept is None else kept.write_into)
+        if kept is not None:  # the newest step outlives train.keep_last's pruning: the next save links from it
+            self.passthrough = kept.moved_to(dst)
+        return dst
 
     def _load_critic(self, root: Path, step: int) -> None:
         """The critic's checkpoint of `step` (collective); CheckpointError when it is missing or damaged."""
@@ -335,11 +345,12 @@ class Trainer:
         state is layout-free (train/optimizer_state.py)."""
         from longstraw_mcore.train.optimizer_state import OPTIMIZER_DIR, supported
 
-        metas = []
+        metas, paths = [], []
 
         def load(path):
             _, meta = read_checkpoint_meta(path)
             metas.append(meta)
+            paths.append(path)
             if meta.get("layout") != self.par.layout():
                 why = supported(self.opt, self.ddp.module)
                 if why is not None or not (path / OPTIMIZER_DIR).is_dir():
@@ -358,6 +369,9 @@ class Trainer:
         if got is None:
             return False
         self.step, self.history = got
+        from longstraw_mcore.checkpoint.passthrough import Source
+
+        self.passthrough = Source.of_checkpoint(paths[-1]) or self.passthrough  # the step's kept tensors, if any
         if hasattr(self.online, "restore"):
             self.online.restore(metas[-1].get("dataset"))
         return True

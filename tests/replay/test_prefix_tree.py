@@ -3,7 +3,8 @@
 A group whose responses share segments at three depths, with loss masks zeroing tokens inside shared
 and unshared segments and responses ending at a segment's end (tests/tree_groups.py), for both
 families (Qwen3.5-style hybrid: attention K/V + Gated DeltaNet state; GLM-5.x: MLA latents + DSA
-index keys, top-k 4 of the tiny config):
+index keys, top-k 4 of the tiny config; at one rank also GLM-5.3-Flash: KDA state, MLA latents and pooled index
+keys, segments ending inside pools):
 - one rank: exact mode == each response run as its own full sequence with ordinary autograd
   (replay/reference.py; loss, every per-token log-prob, every gradient <= 1e-10); detached mode == the
   flat replay (every response whole against the detached prompt state, itself checked against
@@ -39,7 +40,18 @@ def _models():
     qm = tiny_model_config(linear_num_key_heads=4, linear_num_value_heads=8)
     hf_cfg, gm = _configs(4)
     return [("qwen", qm, qwen3_5.hf_to_mcore(hf_state(build_hf_model(qm, seed=3)), qm)),
-            ("glm", gm, glm_dsa.hf_to_mcore(glm_dsa.from_transformers_state(_hf_model(hf_cfg, 5).state_dict()), gm))]
+            ("glm", gm, glm_dsa.hf_to_mcore(glm_dsa.from_transformers_state(_hf_model(hf_cfg, 5).state_dict()), gm)),
+            glm5_next_model()]
+
+
+def glm5_next_model():
+    """("glm5", GLM-5.3-Flash's tiny config (index_topk 4 in pools of 4), its full weights from transformers)."""
+    import test_glm5_next_parity as P
+
+    from longstraw_mcore.checkpoint import glm5_next
+
+    hf_mod, cfg, m = P._configs(4)
+    return "glm5", m, glm5_next.hf_to_mcore(glm5_next.from_transformers_state(P._hf_model(hf_mod, cfg, 5).state_dict()), m)
 
 
 def _build(m, ddp: bool = True, **layout):
@@ -94,7 +106,7 @@ def _one_rank(rank, world_size):
 
 def test_tree_equals_full_sequences_and_flat_replay_one_rank():
     out = run_ranks(_one_rank, 1, timeout_s=900)[0]
-    for name in ("qwen", "glm"):
+    for name in ("qwen", "glm", "glm5"):
         replayed, trie, total, flat = out.pop((name, "tokens"))
         print(f"{name}: replayed {replayed} tokens of {total} (trie {trie}; flat replay {flat})")
         assert replayed == trie < total and flat == total

@@ -45,6 +45,7 @@ class MLAKpoolMixer(MLADSAMixer):
         if self.full:
             with torch.no_grad():
                 own.ig = F.linear(x, self.indexer.kpool_gate)
+            own.pooling = (self.indexer.kpool_ape, self.m.index_kpool)
         return own
 
     def _pool(self):
