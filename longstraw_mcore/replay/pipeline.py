@@ -138,9 +138,11 @@ def schedule(model, pgs, config, data: list, forward_step, forward_only: bool, s
 
 def _idle(core, n: int, forward_only: bool):
     """A micro-batch that only fills the interleaved schedule's last group of pp (Megatron takes them pp at a
-    time): a [1, 1, Hd] zero hidden state through every stage unchanged, a zero loss (no gradient)."""
+    time): a [1, 1, Hd] zero hidden state (n Hd with n residual streams) through every stage unchanged, a zero loss
+    (no gradient)."""
     if core.pre_process:
-        x = torch.zeros(1, 1, core.config.hidden_size, dtype=core.config.pipeline_dtype or core.config.params_dtype,
+        width = core.config.hidden_size * core.model_cfg.residual_streams
+        x = torch.zeros(1, 1, width, dtype=core.config.pipeline_dtype or core.config.params_dtype,
                         device=next(core.parameters()).device, requires_grad=not forward_only)
     else:
         x = core.decoder.input_tensor

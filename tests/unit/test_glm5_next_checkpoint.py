@@ -5,12 +5,18 @@ float32 modules, as the published checkpoints hold them): the table's HF names a
 decoder tensors, the vision tower and MTP are exactly the skipped ones, `from_transformers_state` of the VLM's (and
 the text model's) in-memory state equals the saved tensors bit for bit, HF -> Megatron -> HF is bit-exact with the
 Megatron names and shapes the model uses (a lazy rank's slice too), and config.json reads back, is written back
-(with and without the recorded one; transformers reads both) and its unsupported settings are refused by name."""
+(with and without the recorded one; transformers reads both) and its unsupported settings are refused by name.
+Export keeps the VLM (checkpoint/passthrough.py): HF -> Megatron checkpoint -> HF gives back every tensor but the
+MTP layers bit for bit and config.json equal, which transformers loads (no missing or unexpected key) into the same
+model (same logits, bit for bit); a failed write leaves nothing; an adapter merge writes the same set and config."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +229,123 @@ def test_config_read_written_back_and_refused(saved, tmp_path):
     for name, (r, key) in refused.items():
         with pytest.raises(CheckpointError, match=key):
             G.read_config(_write(tmp_path, name, r))
+
+
+# ---------------------------------------------------------------------------------------------
+# export: the VLM's form (checkpoint/passthrough.py)
+
+
+def _with_mtp(saved, tmp_path) -> Path:
+    """The saved directory plus a second file of MTP tensors (as the published checkpoints hold, which
+    transformers ignores): dropped on export."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(saved[1], src)
+    g = torch.Generator().manual_seed(1)
+    save_file({MTP[0]: torch.randn(H, 2 * H, generator=g).bfloat16(), MTP[1]: torch.randn(H, generator=g).bfloat16()},
+              str(src / "mtp.safetensors"))
+    return src
+
+
+def _load_dir(d: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _convert_there_and_back(rank, world_size, src, tmp):
+    """In a process of its own (conversion makes a one-rank process group)."""
+    from longstraw_mcore.checkpoint import convert, passthrough
+    from longstraw_mcore.families import get_family
+
+    family, logs, tmp = get_family("glm5_next"), [], Path(tmp)
+    got = convert.hf_to_mcore_dir(family, src, tmp / "mc", log=logs.append)
+    back = convert.mcore_to_hf_dir(family, tmp / "mc", tmp / "out", log=logs.append)
+
+    def broken(directory, tensors, keep):  # a write that dies half-way: nothing may be left
+        (Path(directory) / passthrough.FILE).write_bytes(b"half")
+        raise OSError("disk full")
+
+    passthrough.write, failed = broken, None
+    try:
+        convert.hf_to_mcore_dir(family, src, tmp / "failed", log=logs.append)
+    except OSError as e:
+        failed = str(e)
+    left = sorted(p.name for p in tmp.iterdir())
+    return got["kept"], got["skipped"], back, logs, sorted(p.name for p in (tmp / "mc").iterdir()), failed, left
+
+
+def test_export_is_the_vlm_bit_for_bit(saved, tmp_path):
+    from longstraw_mcore.checkpoint import passthrough
+    from longstraw_mcore.families import get_family
+    from longstraw_mcore.launch_local import run_ranks
+
+    model, _, tensors, raw = saved
+    src = _with_mtp(saved, tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    kept, skipped, back, logs, files, failed, left = run_ranks(_convert_there_and_back, 1, str(src), str(work),
+                                                               timeout_s=300)[0]
+    vision = sorted(k for k in tensors if k.startswith("model.visual."))
+    assert len(vision) == 25 and sorted(kept) == vision and sorted(skipped) == sorted(vision + MTP)
+    assert passthrough.FILE in files and back == {"tensors": len(tensors), "kept": 25}, (files, back)
+    assert any("kept 25 tensors" in line for line in logs) and any("skipped 2 tensors" in line for line in logs), logs
+    assert failed == "disk full" and left == ["mc", "out"], left  # no `failed`, no half-written sibling
+    out = work / "out"
+    _same(_load_dir(out), tensors)  # decoder and vision tower bit for bit in their dtypes; no MTP
+    assert json.loads((out / "config.json").read_text()) == raw
+    source = passthrough.Source.of_checkpoint(work / "mc")  # what a run from --load mc copies into its steps
+    assert source.config == raw and sorted(source.names()) == vision
+    _same(dict(source.items()), {k: tensors[k] for k in vision})
+    step = tmp_path / "step"
+    step.mkdir()
+    source.write_into(step)  # a hard link, so a step costs no second copy
+    assert os.stat(step / passthrough.FILE).st_ino == os.stat(work / "mc" / passthrough.FILE).st_ino
+    m, _ = G.read_config(src)
+    from_hf = passthrough.Source.of_hf(get_family("glm5_next"), src, m)  # a run from --hf src
+    assert from_hf.config == raw and from_hf.names() == sorted(from_hf.names()) == vision
+    again = tmp_path / "again"
+    again.mkdir()
+    from_hf.write_into(again)
+    assert (again / passthrough.FILE).read_bytes() == (work / "mc" / passthrough.FILE).read_bytes()
+
+    hf = glm5_next_modeling(fla=False)
+    loaded, info = hf.Glm5NextForConditionalGeneration.from_pretrained(out, dtype=torch.bfloat16,
+                                                                       output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ours, theirs = loaded.state_dict(), model.state_dict()
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, loaded(input_ids=ids).logits
+    print(f"exported VLM: {len(tensors)} tensors ({len(vision)} vision) bit-exact; logits max diff "
+          f"{float((a.float() - b.float()).abs().max()):.1e} over {tuple(a.shape)}")
+    assert a.shape == (2, 11, V) and torch.equal(a, b)
+
+
+def test_merge_writes_the_vlm(saved, tmp_path, monkeypatch):
+    """adapters/merge.py on this family (its LoRA sites are not built yet: the adapter is handed in): the merged
+    weight is W + (alpha / r) B A, every other tensor but MTP copied bit for bit, config.json the base's."""
+    from longstraw_mcore.adapters import merge
+    from longstraw_mcore.config import AdapterConfig
+    from longstraw_mcore.families import get_family
+
+    _, _, tensors, raw = saved
+    src = _with_mtp(saved, tmp_path)
+    site = "model.language_model.layers.0.self_attn.q_proj"
+    g = torch.Generator().manual_seed(5)
+    A, B = torch.randn(2, H, generator=g, dtype=torch.float64), torch.randn(D, 2, generator=g, dtype=torch.float64)
+    cfg = AdapterConfig(rank=2, alpha=4.0)
+    monkeypatch.setattr(merge, "read_peft", lambda *args, **kw: (cfg, {site: (A, B)}))
+    monkeypatch.setattr(G, "adapter_sites", lambda m: [], raising=False)
+    assert merge.merge_into_hf(get_family("glm5_next"), src, tmp_path, tmp_path / "merged", log=print) == 1
+    want = dict(tensors)
+    w = tensors[site + ".weight"]
+    want[site + ".weight"] = (w.double() + 2.0 * B @ A).to(w.dtype)
+    assert not torch.equal(want[site + ".weight"], w)
+    _same(_load_dir(tmp_path / "merged"), want)
+    assert json.loads((tmp_path / "merged" / "config.json").read_text()) == raw
