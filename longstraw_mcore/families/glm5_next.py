@@ -16,7 +16,7 @@ from longstraw_mcore.families.glm_dsa import LAYERS as GLM_LAYERS
 from longstraw_mcore.families.record import Family
 from longstraw_mcore.planner.activations import (gdn_backward_scratch, gdn_bytes, gdn_capture_bytes, hybrid_layer_bytes,
                                                  rms_norm_bytes)
-from longstraw_mcore.planner.flops_hybrid import GatedDeltaNetFlops
+from longstraw_mcore.planner.flops_glm5_next import KDAFlops, MLAKpoolFlops
 from longstraw_mcore.prompt_state.gdn import GDNRecurrentState
 from longstraw_mcore.prompt_state.kinds import LayerKind
 from longstraw_mcore.prompt_state.mla_pool import MLAPoolIndexerState
@@ -26,10 +26,11 @@ from longstraw_mcore.prompt_state.mla_pool import MLAPoolIndexerState
 LAYERS = {
     # KDA's state is Gated DeltaNet's with one key head per value head (the config names its dimensions so)
     "kda": LayerKind(state=GDNRecurrentState, activation_bytes=partial(hybrid_layer_bytes, gdn_bytes),
-                     norm_bytes=rms_norm_bytes, flops=GatedDeltaNetFlops(), capture_bytes=gdn_capture_bytes,
+                     norm_bytes=rms_norm_bytes, flops=KDAFlops(), capture_bytes=gdn_capture_bytes,
                      backward_scratch=gdn_backward_scratch),
-    "mla_dsa_full": dataclasses.replace(GLM_LAYERS["mla_dsa_full"], state=MLAPoolIndexerState),
-    "mla_dsa_shared": GLM_LAYERS["mla_dsa_shared"],
+    "mla_dsa_full": dataclasses.replace(GLM_LAYERS["mla_dsa_full"], state=MLAPoolIndexerState,
+                                        flops=MLAKpoolFlops(indexer=True)),
+    "mla_dsa_shared": dataclasses.replace(GLM_LAYERS["mla_dsa_shared"], flops=MLAKpoolFlops(indexer=False)),
 }
 
 

@@ -17,7 +17,8 @@ class Family:
     `head`: lm, token_value (a critic) or sequence_score (a reward model): models/heads.py."""
     checkpoint: ModuleType
     """checkpoint/<name>.py: `read_config`, `hf_config_dict`, `tensor_name`, `config_is_decoder_only`,
-    `rules`, `hf_shapes`, `hf_to_mcore`, `mcore_to_hf`, `LazyCanonical`, `skipped_names`, `adapter_sites`."""
+    `rules`, `hf_shapes`, `hf_to_mcore`, `mcore_to_hf`, `LazyCanonical`, `skipped_names`, `adapter_sites`; optionally
+    `passthrough_names` (tensors beside the decoder that exports give back unchanged: checkpoint/passthrough.py)."""
     architectures: tuple[str, ...]
     layers: dict
     """Layer type (as `ModelConfig.layer_types` names it) -> its `LayerKind` record."""

@@ -143,9 +143,23 @@ def pooled_positions(q: torch.Tensor, weights: torch.Tensor, q_pos: torch.Tensor
     (positions [B, T, w], valid). The same on every rank that holds the same pools (they are replicated)."""
     if index_topk < kpool or index_topk % kpool:
         raise ValueError(f"index_topk={index_topk} is not a positive multiple of index_kpool={kpool}")
-    pooled, ends = pools
+    pooled, ends = _up_to(*pools, int(q_pos.max()) if q_pos.numel() else -1)
     rows, valid = pooled_topk(q, weights, q_pos, pooled, ends, index_topk // kpool, block)
     return expand_selection(rows, valid, ends, kpool, q_pos)
+
+
+def _up_to(pooled, ends: torch.Tensor, last: int):
+    """The pools ending at or before position `last` (no later one is a candidate for these queries): a prefix,
+    `ends` being ascending; `pooled` may be a (head, tail) pair of rows."""
+    n = int((ends <= last).sum())
+    if n == ends.numel():
+        return pooled, ends
+    if isinstance(pooled, tuple):
+        head, tail = pooled
+        pooled = head[:, :n] if n <= head.shape[1] else (head, tail[:, :n - head.shape[1]])
+    else:
+        pooled = pooled[:, :n]
+    return pooled, ends[:n]
 
 
 @torch.no_grad()

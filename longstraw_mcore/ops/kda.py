@@ -84,11 +84,13 @@ def _whole_chunks(q, k, v, g, beta, initial_state, C: int, state_dtype):
     # D_ijc = e^{G_ic - G_jc}, masked before exp (j > i would overflow and is never used)
     D = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(above[..., None], float("-inf")).exp()
     kb = k * beta[..., None]
-    A = torch.einsum("nbic,nbjc,nbijc->nbij", kb, k, D)
+    # A_ij = sum_c kb_ic D_ijc k_jc and P_ij = sum_c q_ic D_ijc k_jc as (elementwise [C, C, K]) then one batched
+    # product each: 2 C^2 K multiply-adds per chunk and head, the planner's count (planner/flops_glm5_next.py)
+    A = torch.einsum("nbijc,nbjc->nbij", kb[..., :, None, :] * D, k)
     # I + strict_lower(A): the unit-triangular solve reads neither A's diagonal nor its upper part
     rhs = torch.cat([v * beta[..., None], kb * G.exp()], dim=-1)
     U0, W = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split([Vd, Kd], -1)
-    P = torch.einsum("nbic,nbjc,nbijc->nbij", q, k, D)                      # j <= i (D is 0 above)
+    P = torch.einsum("nbijc,nbjc->nbij", q[..., :, None, :] * D, k)          # j <= i (D is 0 above)
     q_dec = q * G.exp()
     k_dec = (k * (G[..., -1:, :] - G).exp()).transpose(-1, -2)              # [n,BH,K,C]
     chunk_decay = G[..., -1, :].exp()[..., None]                             # [n,BH,K,1]

@@ -152,25 +152,29 @@ class GatedDeltaNetFlops:
         return full - (2 * (state_mm * tokens + 2 * hv * sq * (V + K))
                        - (0 if init_grad or not tokens else state_mm * first))
 
-    def capture(self, m, tp, layer, chunks, kind, last=False, cp=1):
+    def _linear(self, m, tp: int, layer: int, T: int, last: bool = False) -> float:
+        """The layer's projections and MLP on T tokens, forward (`last`: only as far as its state)."""
         W, pruned = self._weights(m, tp)
+        return 2.0 * (W - pruned if last else W) * T
+
+    def capture(self, m, tp, layer, chunks, kind, last=False, cp=1):
         Pc = sum(e - s for s, e in chunks)
         n = self._pieces(m, tp, cp)
         rule = (sum(self._fwd(m, tp, b - a, True) for s, e in chunks for a, b in piece_bounds(e - s, n))
-                + sum(self._scan(m, tp, e - s, n) for s, e in chunks) if n else self._fwd(m, tp, Pc))
-        return 2.0 * (W - pruned if last else W) * Pc + rule
+                + sum(self._scan(m, tp, e - s, n) for s, e in chunks) if n
+                else sum(self._fwd(m, tp, e - s) for s, e in chunks))  # each capture chunk its own rule run
+        return sum(self._linear(m, tp, layer, e - s, last) for s, e in chunks) + rule
 
     def replay(self, m, tp, layer, R, Pc, exact, store_probs, kind, path=(), seeded=False):
         # the state entering a branch is a constant (detached) or a leaf (exact, or a prefix tree's segment
         # above it); its final state is dropped, except a segment's (its children's gradient arrives there)
-        W, _ = self._weights(m, tp)
         init = (exact and Pc > 0) or bool(path)
-        return 3 * 2.0 * W * R + self._fwd(m, tp, R) + self._bwd(m, tp, R, init_grad=init, final_grad=seeded)
+        return 3 * self._linear(m, tp, layer, R) + self._fwd(m, tp, R) + self._bwd(m, tp, R, init_grad=init,
+                                                                                 final_grad=seeded)
 
     def recompute(self, m, tp, layer, s, e, last, kind, cp=1):
-        W, pruned = self._weights(m, tp)
         T = e - s
-        lin = 2.0 * (W - pruned if last else W) * T
+        lin = self._linear(m, tp, layer, T, last)
         n = self._pieces(m, tp, cp)
         if n:  # each piece's rule starts from a constant ([I | 0]); the scan and correction: forward + both
             # operands, except the gradient of the prompt's zero entering state (chunk 0: the first scan
@@ -184,9 +188,7 @@ class GatedDeltaNetFlops:
         return 3 * lin + self._fwd(m, tp, T) + self._bwd(m, tp, T, init_grad=s > 0, final_grad=True, output_unused=last)
 
     def forward(self, m, tp, layer, R, Pc):
-        W, _ = self._weights(m, tp)
-        return 2.0 * W * R + self._fwd(m, tp, R)
+        return self._linear(m, tp, layer, R) + self._fwd(m, tp, R)
 
     def naive(self, m, tp, layer, T, kind):
-        W, _ = self._weights(m, tp)
-        return 3 * 2.0 * W * T + self._fwd(m, tp, T) + self._bwd(m, tp, T, False, False)
+        return 3 * self._linear(m, tp, layer, T) + self._fwd(m, tp, T) + self._bwd(m, tp, T, False, False)

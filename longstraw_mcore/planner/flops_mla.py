@@ -51,6 +51,16 @@ def _stripe(n: int, tp: int) -> int:
     return -(-n // tp)
 
 
+def mlp_flops(m, tp: int, layer: int, T: int) -> float:
+    """Layer `layer`'s dense SwiGLU or MoE block on T tokens, forward, this rank's share (module docstring)."""
+    H = m.hidden_size
+    if m.mlp_types[layer] == "dense":
+        return 2.0 * T * (3 * H * m.intermediate_size // tp)
+    I, Tr = m.moe_intermediate_size, -(-T // tp)
+    routed = 2.0 * Tr * (H * m.n_routed_experts + 3 * m.num_experts_per_tok * H * I)
+    return routed + 2.0 * Tr * tp * (3 * H * I * m.n_shared_experts // tp)
+
+
 class MLADSAFlops:
     def __init__(self, indexer: bool):
         self.indexer = indexer
@@ -63,11 +73,7 @@ class MLADSAFlops:
         experts whole, its shared experts tensor-parallel over the gathered tokens."""
         H, R, Dr, Q, nh = m.hidden_size, m.kv_lora_rank, m.qk_rope_head_dim, m.q_lora_rank, m.num_attention_heads
         proj = 2.0 * T * ((H * (R + Dr) + H * Q + Q * nh * (m.qk_nope_head_dim + Dr) + nh * m.v_head_dim * H) // tp)
-        if m.mlp_types[layer] == "dense":
-            return proj + 2.0 * T * (3 * H * m.intermediate_size // tp)
-        I, Tr = m.moe_intermediate_size, -(-T // tp)
-        routed = 2.0 * Tr * (H * m.n_routed_experts + 3 * m.num_experts_per_tok * H * I)
-        return proj + routed + 2.0 * Tr * tp * (3 * H * I * m.n_shared_experts // tp)
+        return proj + mlp_flops(m, tp, layer, T)
 
     def _index(self, m, tp: int, T: int, pairs: int) -> float:
         """The indexer of T queries scoring `pairs` (query, key) pairs (no autograd)."""

@@ -5,7 +5,8 @@ prompt/branch lengths that are not multiples of the attention block, the GDN chu
 chunk, a one-token branch and a one-token prompt, and a prefix tree of depth 2 (replay/tree.py, both
 modes: its segments' keys and GDN state read with gradients, their final GDN state seeded). GLM-5.x (planner/flops_mla.py) likewise at TP=1 and
 TP=2 (per rank), on the tiny GLM config at 4 layers (full and shared indexer layers, dense and MoE MLPs):
-both modes and naive, keys past the top-k and past an indexer block, a one-token prompt. The benchmark's "measured /
+both modes and naive, keys past the top-k and past an indexer block, a one-token prompt; GLM-5.3-Flash
+(planner/flops_glm5_next.py: KDA, pooled MLA + DSA, hyper-connections) the same way. The benchmark's "measured /
 minimum" ratios and `longstraw plan`'s FLOPs rest on this model, so it must be exact, not close.
 
 Every replay row runs at replay.batch_tokens=0 (one branch per micro-step) and at a budget that puts
@@ -167,10 +168,25 @@ def _worker(rank, world_size):
             an = step_flops(get_family(m7.family).layers, m7, len(group.prompt), [len(r) for r in group.responses],
                             mode, 128, 2, batch_tokens=80)
             rows.append(("gdn-last", 140, mode, 0.0, 80, False, fc.get_total_flops(), an["algorithm"]["total"]))
-    return {"qwen": rows, "glm": _glm_rows(root, share)}
+    return {"qwen": rows, "glm": _glm_rows(root, share), "glm5": _glm_rows(root, share, _glm5_tiny(root))}
 
 
-def _glm_rows(root, share):
+def _glm5_tiny(root):
+    """GLM-5.3-Flash-tiny at 4 layers: KDA / MLA full / MLA shared / KDA (the model's last layer a KDA layer, its
+    capture and recompute only as far as its state), dense, dense, MoE, MoE; pools of 4, index_topk 8 (two pools)."""
+    import dataclasses
+    import os
+
+    from longstraw_mcore.config import load_config
+
+    m = load_config(os.path.join(root, "configs", "glm5.3-flash-tiny.yaml"), ["model.index_block=5"]).model
+    return dataclasses.replace(m, num_layers=4, mixer_types=["linear_attention", "indexed_attention",
+                                                             "indexed_attention", "linear_attention"],
+                               indexer_types=["full", "full", "shared", "full"],
+                               mlp_layer_types=["dense", "dense", "sparse", "sparse"])
+
+
+def _glm_rows(root, share, m=None):
     """GLM-5.2-tiny at 4 layers (indexer full on 0, 1, 2, shared on 3; dense 0-2, MoE 3) at TP=1 and TP=2
     (per rank: the latent striped over TP, every head's queries gathered onto each stripe, the MoE tokens
     split by sequence): index_block=5 and index_topk=8 below the keys a query sees, chunks of 12 over a
@@ -191,8 +207,8 @@ def _glm_rows(root, share):
     from longstraw_mcore.replay.group_step import process_group
     from longstraw_mcore.replay.reference import full_sequence_branches
 
-    m = load_config(os.path.join(root, "configs", "glm-5.2-tiny.yaml"),
-                    ["model.num_layers=4", "model.index_block=5"]).model
+    m = m or load_config(os.path.join(root, "configs", "glm-5.2-tiny.yaml"),
+                         ["model.num_layers=4", "model.index_block=5"]).model
     family = get_family(m.family)
     g, gcfg, rows = torch.Generator().manual_seed(1), GRPOConfig(), []
     cases = [(P, [torch.randint(0, m.vocab_size, (n,), generator=g).tolist() for n in lens],
@@ -233,7 +249,7 @@ def _glm_rows(root, share):
 def test_flop_model_equals_flop_counter():
     per_rank = run_ranks(_worker, 2, timeout_s=600)
     # the TP=1 rows from the rank that counted each, the TP=2 rows from rank 0 (the largest TP rank)
-    res = {k: [r for x in per_rank for r in x[k]] for k in ("qwen", "glm")}
+    res = {k: [r for x in per_rank for r in x[k]] for k in ("qwen", "glm", "glm5")}
     rows = res["qwen"]
     thresholds = [r for r in rows if r[1] == "threshold"]
     counts = [r for r in rows if r[1] != "threshold"]
@@ -256,13 +272,15 @@ def test_flop_model_equals_flop_counter():
             assert by[(tp, 140, f"{mode} tree", 14, False)] > by[(tp, 140, f"{mode} tree", 0, False)]
     for tp, _, at, below in thresholds:
         assert at and not below, (tp, at, below)
-    glm = res["glm"]  # at TP=2 rank 0's: the largest TP rank, whose count the model gives
-    for tp, P, mode, bt, measured, analytic in glm:
-        print(f"GLM tp={tp} P={P} {mode:>13} batch_tokens={bt:>2}: FlopCounterMode {measured:,} analytic {analytic:,.0f}")
-    # TP=1: P=30 and P=1, TP=2: P=30; each detached and exact at 2 token budgets, and naive; P=30's trees
-    assert len(glm) == 3 * (4 + 1) + 2 * 4
-    for tp, P, mode, bt, measured, analytic in glm:
-        assert measured == analytic and measured > 0, (tp, P, mode, bt, measured, analytic)
+    for fam in ("glm", "glm5"):  # at TP=2 rank 0's: the largest TP rank, whose count the model gives
+        glm = res[fam]
+        for tp, P, mode, bt, measured, analytic in glm:
+            print(f"{fam} tp={tp} P={P} {mode:>13} batch_tokens={bt:>2}: FlopCounterMode {measured:,} "
+                  f"analytic {analytic:,.0f}")
+        # TP=1: P=30 and P=1, TP=2: P=30; each detached and exact at 2 token budgets, and naive; P=30's trees
+        assert len(glm) == 3 * (4 + 1) + 2 * 4
+        for tp, P, mode, bt, measured, analytic in glm:
+            assert measured == analytic and measured > 0, (fam, tp, P, mode, bt, measured, analytic)
 
 
 def test_padded_steps_are_the_executors_micro_steps():
