@@ -103,7 +103,9 @@ def attach(model, sites: list[Site], cfg: AdapterConfig, parallel, seed: int, ca
     per_rank = getattr(m, "n_routed_experts", 0) // ep
     first = next(model.parameters())
     dtype, device = first.dtype, first.device  # the adapters live where the model does
-    if parallel.tp_kv is not None and targets & {"k_proj", "v_proj"}:
+    # KV groups (parallel/kv_group.py) hold a GQA attention's k/v projections past its KV heads; a family without
+    # KV heads (GLM-5.3's k_proj / v_proj are KDA's, column parallel by heads) has none to refuse
+    if parallel.tp_kv is not None and hasattr(m, "num_key_value_heads") and targets & {"k_proj", "v_proj"}:
         raise ConfigError(f"adapter.targets {sorted(targets & {'k_proj', 'v_proj'})} with parallel.tp={tp} above "
                           f"model.num_key_value_heads={m.num_key_value_heads} (KV groups): not supported yet; "
                           "leave them out of adapter.targets or use parallel.tp <= the KV heads")

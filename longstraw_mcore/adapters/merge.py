@@ -21,22 +21,25 @@ def merge_into_hf(family, base_dir: str | Path, adapter_dir: str | Path, dst: st
     """Write `dst` = the base directory with the adapter merged; returns the number of merged weights."""
     mapping = family.checkpoint
     m, raw = mapping.read_config(base_dir)
-    cfg, adapter = read_peft(adapter_dir, mapping.adapter_sites(m), AdapterConfig())
+    sites = mapping.adapter_sites(m)
+    cfg, adapter = read_peft(adapter_dir, sites, AdapterConfig())
     tensors = SafetensorsDir(base_dir, mapping.tensor_name)
     kept = passthrough.names(mapping, tensors, m, base_dir)
     names = list(tensors)
     if kept:
         shapes, kept_set = mapping.hf_shapes(m), set(kept)
         names = [n for n in names if n in shapes or n in kept_set]
+    # each adapted module's stored weight: `<module>.weight`, or the site's own name for it (Site.weight)
+    stored = {s.name: s.weight for s in sites if s.weight is not None}
+    module_of = {stored.get(mod, f"{mod}.weight"): mod for mod in adapter}
     out = {}
     for name in names:
         w = tensors[name]
-        module = name[:-len(".weight")] if name.endswith(".weight") else None
-        if module in adapter:
-            A, B = adapter[module]
+        if name in module_of:
+            A, B = adapter[module_of[name]]
             w = (w.to(torch.float64) + cfg.scale * B @ A).to(w.dtype)
         out[name] = w
-    merged = sum(1 for n in tensors if n.endswith(".weight") and n[:-7] in adapter)
+    merged = sum(1 for n in tensors if n in module_of)
     write_hf(dst, out, passthrough.export_config(mapping, m, passthrough.recorded_config(mapping, raw, bool(kept))))
     log(f"[merge] {dst}: {merged} weights merged (r={cfg.rank}, alpha={cfg.alpha:g}), {len(out)} tensors")
     return merged

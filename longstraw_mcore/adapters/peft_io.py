@@ -121,13 +121,30 @@ def read_saved(path: str | Path, shapes: dict[str, tuple[int, ...]], load: bool 
     return out
 
 
-def peft_config(cfg: AdapterConfig, targets: list[str], base_model: str | None, saved: bool = False) -> dict:
-    """adapter_config.json; `saved`: a critic's (PEFT's token-classification task, its `score` kept whole)."""
+LANGUAGE_MODEL = "model.language_model."
+"""Where a multimodal transformers model (GLM-5.3-Flash's `Glm5NextForConditionalGeneration`) holds its decoder."""
+
+
+def exclude_modules(modules) -> str | None:
+    """PEFT's `exclude_modules` for an adapter on these modules: where every layer module sits in a multimodal
+    model's language model (`model.language_model.`), every other module under `model.` (the vision tower, whose
+    `gate_proj` / `up_proj` / `down_proj` the bare target names would also match), as a regex PEFT fully matches;
+    else None."""
+    layered = [n for n in modules if n != "lm_head"]
+    if layered and all(n.startswith(LANGUAGE_MODEL) for n in layered):
+        return r"model\.(?!language_model\.).*"
+    return None
+
+
+def peft_config(cfg: AdapterConfig, targets: list[str], base_model: str | None, saved: bool = False,
+                exclude: str | None = None) -> dict:
+    """adapter_config.json; `saved`: a critic's (PEFT's token-classification task, its `score` kept whole);
+    `exclude`: PEFT's exclude_modules (`exclude_modules`)."""
     return {"peft_type": "LORA", "task_type": "TOKEN_CLS" if saved else "CAUSAL_LM", "r": cfg.rank,
             "lora_alpha": cfg.alpha, "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
             "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
             "modules_to_save": [CRITIC_SAVED] if saved else None, "base_model_name_or_path": base_model,
-            "inference_mode": True}
+            "inference_mode": True, **({"exclude_modules": exclude} if exclude else {})}
 
 
 def write_peft(path: str | Path, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], cfg: AdapterConfig,
@@ -140,8 +157,8 @@ def write_peft(path: str | Path, tensors: dict[str, tuple[torch.Tensor, torch.Te
         flat = _flat(tensors)
         flat.update({PREFIX + n: t.contiguous() for n, t in (saved or {}).items()})
         save_file(flat, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (tmp / "adapter_config.json").write_text(json.dumps(peft_config(cfg, targets, base_model, bool(saved)),
-                                                            indent=2))
+        (tmp / "adapter_config.json").write_text(json.dumps(peft_config(cfg, targets, base_model, bool(saved),
+                                                                        exclude_modules(tensors)), indent=2))
 
     return write_dir_atomically(path, fill, error=ConfigError)
 

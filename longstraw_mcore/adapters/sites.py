@@ -24,7 +24,9 @@ class Part:
 class Site:
     """One HF module: `name` (e.g. `model.layers.3.mlp.gate_proj`), `target` (its last component, what
     `adapter.targets` names), (out, in) `shape`, the Megatron `kind` of its projections (adapters/lora.py
-    KINDS), its `parts`, the global `layer` (None: lm_head) and, for a routed expert, its index."""
+    KINDS), its `parts`, the global `layer` (None: lm_head), for a routed expert its index, and `weight`: the
+    checkpoint's name of its weight where that is not `name.weight` (PEFT names the module as transformers holds
+    it in memory, e.g. GLM-5.3's `self_attn.forget_gate.f_a_proj`, stored as `self_attn.f_a_proj.weight`)."""
 
     name: str
     target: str
@@ -33,3 +35,4 @@ class Site:
     parts: tuple[Part, ...]
     layer: int | None
     expert: int | None = None
+    weight: str | None = None

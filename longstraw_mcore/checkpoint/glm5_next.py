@@ -371,3 +371,52 @@ def config_is_decoder_only(raw: dict) -> bool:
     tensors alone may give it back as is: never here. The only form transformers has is the VLM, whose config
     names a vision tower (and image/video token ids) whose tensors the decoder table does not carry."""
     return False
+
+
+# ---------------------------------------------------------------------------------------------
+# adapter sites
+
+_KDA_SITES = (("q_proj", "column"), ("k_proj", "column"), ("v_proj", "column"), ("b_proj", "column"),
+              ("forget_gate.f_a_proj", "gathered"), ("forget_gate.f_b_proj", "column"), ("g_a_proj", "gathered"),
+              ("g_b_proj", "column"), ("o_proj", "row"))
+"""KDA's projections as PEFT sees them (module paths under `self_attn.`, in transformers' in-memory tree: the forget
+gate's two under `forget_gate.`) and their Megatron kind (models/mixers/kda.py: f_a / g_a gather their output)."""
+_MLA_SITES = (("q_a_proj", "gathered"), ("q_b_proj", "column"), ("kv_a_proj_with_mqa", "gathered"),
+              ("kv_b_proj", "column"), ("o_proj", "row"))
+
+
+def adapter_sites(m: Glm5NextConfig) -> list:
+    """Every projection an adapter may target (adapters/sites.py), by the module paths `peft` sees on
+    `Glm5NextForConditionalGeneration` (`model.language_model.layers.{i}.self_attn.forget_gate.f_a_proj`, ...; none
+    in the vision tower, `model.visual.*`, whose gate/up/down_proj a bare PEFT target name would also match), in
+    layer order. KDA layers: q/k/v/b/f_a/f_b/g_a/g_b/o (`Site.weight` names the forget gate's stored weights, which
+    checkpoints keep as `self_attn.f_a_proj.weight`); MLA layers: GLM-5.2's five (kv_b_proj's adapter acts on the
+    absorbed weight); the dense MLP's, the shared expert's and each routed expert's gate/up/down as GLM-5.2's
+    (checkpoint/glm_dsa.py: experts by their stored names `mlp.experts.{e}.gate_proj`, each its own adapter on the EP
+    rank that holds it); lm_head. Shapes are each module's own (out, in), not `projection_shapes`' smallest."""
+    from dataclasses import replace
+
+    from longstraw_mcore.adapters.sites import Part, Site
+
+    H, R, Q, nh = m.hidden_size, m.kv_lora_rank, m.q_lora_rank, m.num_attention_heads
+    D, K = m.linear_num_heads * m.linear_head_dim, m.linear_head_dim
+    kda = {"q_proj": (D, H), "k_proj": (D, H), "v_proj": (D, H), "b_proj": (m.linear_num_heads, H),
+           "f_a_proj": (K, H), "f_b_proj": (D, K), "g_a_proj": (K, H), "g_b_proj": (D, K), "o_proj": (H, D)}
+    mla = {"q_a_proj": (Q, H), "q_b_proj": (nh * m.qk_nope_head_dim, Q), "kv_a_proj_with_mqa": (R, H),
+           "kv_b_proj": (nh * (m.qk_nope_head_dim + m.v_head_dim), R), "o_proj": (H, nh * m.v_head_dim)}
+    mlp_sites: dict[int, list] = {}
+    for s in glm_dsa.adapter_sites(m):  # GLM-5.2's MLP sites (they read the MLP fields and `mlp_types` only)
+        if s.layer is not None and ".mlp." in s.name:
+            mlp_sites.setdefault(s.layer, []).append(replace(s, name=LM + s.name.removeprefix("model.")))
+    out = []
+    for i, kind in enumerate(m.mixer_types):
+        a, s = f"{LM}layers.{i}.self_attn.", f"decoder.layers.{i}.self_attention."
+        for path, k in (_KDA_SITES if kind == "linear_attention" else _MLA_SITES):
+            target = path.rsplit(".", 1)[-1]
+            shape = (kda if kind == "linear_attention" else mla)[target]
+            weight = a + target + ".weight" if path != target else None
+            out.append(Site(a + path, target, shape, k, (Part(s + target, (0, shape[0])),), i, weight=weight))
+        out += mlp_sites.get(i, [])
+    out.append(Site("lm_head", "lm_head", (m.vocab_size, H), "column", (Part("output_layer", (0, m.vocab_size)),),
+                    None))
+    return out

@@ -8,29 +8,29 @@ is still to build (the pooled indexer's prompt state, the planner's own terms)."
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 from longstraw_mcore.checkpoint import glm5_next as checkpoint, heads
 from longstraw_mcore.config import Glm5NextConfig
 from longstraw_mcore.families.glm_dsa import LAYERS as GLM_LAYERS
 from longstraw_mcore.families.record import Family
-from longstraw_mcore.planner.activations import (gdn_backward_scratch, gdn_bytes, gdn_capture_bytes, hybrid_layer_bytes,
-                                                 rms_norm_bytes)
+from longstraw_mcore.planner.activations import gdn_backward_scratch, gdn_capture_bytes, rms_norm_bytes
+from longstraw_mcore.planner.activations_glm5_next import kda_layer_bytes, mla_kpool_layer_bytes
 from longstraw_mcore.planner.flops_glm5_next import KDAFlops, MLAKpoolFlops
 from longstraw_mcore.prompt_state.gdn import GDNRecurrentState
 from longstraw_mcore.prompt_state.kinds import LayerKind
 from longstraw_mcore.prompt_state.mla_pool import MLAPoolIndexerState
 
-# The planner's terms are the nearest existing ones (Gated DeltaNet's for KDA, GLM-5.2's for MLA) until the family
-# has its own (docs/glm5-next-plan.md step 11: per-channel decay, pooled keys, the streams): not yet a plan to trust.
+# The planner's terms: FLOPs (planner/flops_glm5_next.py) and saved activations (planner/activations_glm5_next.py)
+# are the family's own; the capture peaks and backward scratch are the nearest existing ones (Gated DeltaNet's for
+# KDA, GLM-5.2's for MLA), not yet measured for this family.
 LAYERS = {
     # KDA's state is Gated DeltaNet's with one key head per value head (the config names its dimensions so)
-    "kda": LayerKind(state=GDNRecurrentState, activation_bytes=partial(hybrid_layer_bytes, gdn_bytes),
-                     norm_bytes=rms_norm_bytes, flops=KDAFlops(), capture_bytes=gdn_capture_bytes,
-                     backward_scratch=gdn_backward_scratch),
+    "kda": LayerKind(state=GDNRecurrentState, activation_bytes=kda_layer_bytes, norm_bytes=rms_norm_bytes,
+                     flops=KDAFlops(), capture_bytes=gdn_capture_bytes, backward_scratch=gdn_backward_scratch),
     "mla_dsa_full": dataclasses.replace(GLM_LAYERS["mla_dsa_full"], state=MLAPoolIndexerState,
-                                        flops=MLAKpoolFlops(indexer=True)),
-    "mla_dsa_shared": dataclasses.replace(GLM_LAYERS["mla_dsa_shared"], flops=MLAKpoolFlops(indexer=False)),
+                                        activation_bytes=mla_kpool_layer_bytes, flops=MLAKpoolFlops(indexer=True)),
+    "mla_dsa_shared": dataclasses.replace(GLM_LAYERS["mla_dsa_shared"], activation_bytes=mla_kpool_layer_bytes,
+                                          flops=MLAKpoolFlops(indexer=False)),
 }
 
 

@@ -41,7 +41,23 @@ class HyperConnection(torch.nn.Module):
         self.scale = torch.nn.Parameter(torch.zeros(3, dtype=wide, device=device))
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [..., N, H] -> (post [..., N], comb [..., N, N], y [..., H] in the streams' dtype)."""
+        """streams [..., N, H] -> (post [..., N], comb [..., N, N], y [..., H] in the streams' dtype).
+
+        Under autograd the weights are recomputed in the backward from the streams (which the mix keeps anyway)
+        instead of keeping the float32 normalised streams and every Sinkhorn step: per token and sublayer that
+        is 8 N H bytes and ~2 iters N^2 values less, for one more f fn^T (planner/flops_glm5_next.py)."""
+        if torch.is_grad_enabled() and (streams.requires_grad or self.fn.requires_grad):
+            from torch.utils.checkpoint import checkpoint
+
+            pre, post, comb = checkpoint(self.weights, streams, use_reentrant=False, preserve_rng_state=False)
+        else:
+            pre, post, comb = self.weights(streams)
+        y = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+        return post, comb, y
+
+    def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [..., N, H] -> (pre [..., N], post [..., N], comb [..., N, N]), in the wider of the streams'
+        dtype and float32."""
         n = self.n
         dt = torch.promote_types(streams.dtype, torch.float32)
         flat = streams.flatten(-2).to(dt)
@@ -57,8 +73,7 @@ class HyperConnection(torch.nn.Module):
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        y = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
-        return post, comb, y
+        return pre, post, comb
 
 
 def mix(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -185,3 +185,13 @@ def rows_of(positions: torch.Tensor, valid: torch.Tensor, key_pos: torch.Tensor)
         raise RuntimeError("pooled indexer: a selected position is not among the keys (the pools and the key rows "
                            "disagree)")
     return rows.clamp(min=0)
+
+
+def pooled_selection_of(query, keys):
+    """A pooled indexer's selection for an MLA layer's `query` (prompt_state/hooks.py LatentQuery: its indexer
+    queries and weights, positions, `pool` = (ape, kpool), top-k, block) over `keys` (MLAKeys: their `pools`, or
+    the complete pools of their raw `ik`, `ig`): (global positions [B, T, w], valid), the same on every rank that
+    sees the same pools."""
+    qi, wi = query.index
+    pools = keys.pools if keys.pools is not None else pools_from(keys.ik, keys.ig, keys.pos, query.pool)
+    return pooled_positions(qi, wi, query.pos, pools, query.pool[1], query.topk, query.block)

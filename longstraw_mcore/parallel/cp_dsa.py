@@ -118,7 +118,7 @@ def attend_latent_sharded(query, keys, own, tp_group, kv, layout: CPLayout | Non
         w_uk = GatherHeads.apply(w_uk[None, None], kv)[0, 0]
     selection = query.selection
     if query.index is not None and query.pool is not None:  # pooled indexer: pools replicated on every rank
-        from longstraw_mcore.prompt_state.hooks import pooled_selection_of
+        from longstraw_mcore.ops.dsa_pool import pooled_selection_of
 
         qi, wi = query.index
         if chunk is not None:

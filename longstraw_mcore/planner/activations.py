@@ -95,7 +95,7 @@ def attention_bytes(m, tp: int, T: int, keys: int = 0, wide: bool = False) -> in
     return b
 
 
-def mla_bytes(m, tp: int, T: int, keys: int, query_block: int = 0, kernel: str = "plain") -> int:
+def mla_bytes(m, tp: int, T: int, keys: int, query_block: int = 0, kernel: str = "plain", k: int | None = None) -> int:
     """T tokens through one MLA + DSA mixer that sees `keys` latents (this rank's prompt rows + its own).
     `query_block` B > 0 (memory.mla_query_block): the queries run in blocks of B, each recomputed in its
     backward, so the terms that scale with top-k (indices, selected latents, mask, softmax) are kept
@@ -104,11 +104,12 @@ def mla_bytes(m, tp: int, T: int, keys: int, query_block: int = 0, kernel: str =
     kernel and keeps no logits or probabilities: it saves q in latent space, the rotated q, the indices
     and an int8 validity copy (the visible latents are the prompt state's rows and the call's own, read
     where they lie, not joined), its output o_lat [T, h, R] (e) and lse [T, h]
-    (float32), for every query (the query blocks are the twin's; the kernel takes none)."""
+    (float32), for every query (the query blocks are the twin's; the kernel takes none). `k`: the selection's
+    width where it is not min(index_topk, keys) (GLM-5.3-Flash's pooled indexer)."""
     e, w = _elem(m.dtype), max(4, _elem(m.dtype))
     h, R, Dr, Dn, Dv, ql = (m.num_attention_heads // tp, m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim,
                             m.v_head_dim, m.q_lora_rank)
-    k = min(m.index_topk, keys)
+    k = min(m.index_topk, keys) if k is None else k
     Tq = min(T, query_block) if query_block > 0 and kernel == "plain" else T
     b = T * m.hidden_size * e + T * (R * (w + e) + w) + T * (ql * (w + e) + w) + T * ql * e   # x, norms, q_b input
     b += 2 * T * Dr * e + T * h * (Dn + Dr) * e + Tq * k * 8                                 # RoPE, q, indices

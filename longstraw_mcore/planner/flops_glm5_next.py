@@ -17,7 +17,8 @@ Every layer has two hyper-connected sublayers (models/hyper_connection.py), each
                        width min(index_topk / kpool, P) kpool + kpool - 1 (the query's incomplete pool)
     MLP                dense SwiGLU or MoE: planner/flops_mla.py `mlp_flops`
 
-A call with autograd adds twice its forward (the indexer excepted). The model's last layer run only as far as its
+A call with autograd adds twice its forward (the indexer excepted), and each hyper-connection's weights once more
+(recomputed in its backward). The model's last layer run only as far as its
 state (capture, exact mode's recompute) runs its attention sublayer's hyper-connection weights and norm (not the
 mix), and its state's projections: KDA q, k, v, f_a, f_b, b; MLA kv_a_proj (and a full layer's indexer key and
 gate scores, without autograd).
@@ -51,6 +52,12 @@ def _mods(U: int, kp: int) -> int:
     return q * kp * (kp - 1) // 2 + r * (r - 1) // 2
 
 
+def hc_recompute(m, T: int, sublayers: int = 2) -> float:
+    """Under autograd each hyper-connection recomputes its weights in the backward (models/hyper_connection.py):
+    one more f fn^T per sublayer."""
+    return sublayers * hc_flops(m, T, mix=False)
+
+
 class KDAFlops(GatedDeltaNetFlops):
     @staticmethod
     def _proj(m, tp: int) -> tuple[int, int]:
@@ -65,6 +72,15 @@ class KDAFlops(GatedDeltaNetFlops):
         if last:
             return 2.0 * (W - pruned) * T + hc_flops(m, T, mix=False)
         return 2.0 * W * T + mlp_flops(m, tp, layer, T) + 2 * hc_flops(m, T)
+
+    def replay(self, m, tp, layer, R, Pc, exact, store_probs, kind, path=(), seeded=False):
+        return super().replay(m, tp, layer, R, Pc, exact, store_probs, kind, path, seeded) + hc_recompute(m, R)
+
+    def recompute(self, m, tp, layer, s, e, last, kind, cp=1):
+        return super().recompute(m, tp, layer, s, e, last, kind, cp) + hc_recompute(m, e - s, 1 if last else 2)
+
+    def naive(self, m, tp, layer, T, kind):
+        return super().naive(m, tp, layer, T, kind) + hc_recompute(m, T)
 
 
 class MLAKpoolFlops(MLADSAFlops):
@@ -90,7 +106,8 @@ class MLAKpoolFlops(MLADSAFlops):
             slots = kp * (_below(u1, kp, n) - _below(u0, kp, n)) + _mods(u1, kp) - _mods(u0, kp)
             pairs = _below(u1, kp) - _below(u0, kp)
         attn = 2.0 * (T * heads * m.qk_nope_head_dim * R + slots * heads * 2 * R + T * h * R * m.v_head_dim)
-        return (self._linear(m, tp, layer, T) + attn) * (3 if grad else 1) + self._index(m, tp, T, pairs)
+        return ((self._linear(m, tp, layer, T) + attn) * (3 if grad else 1) + self._index(m, tp, T, pairs)
+                + (hc_recompute(m, T) if grad else 0.0))
 
     def capture(self, m, tp, layer, chunks, kind, last=False, cp=1):
         if not last:
@@ -109,7 +126,7 @@ class MLAKpoolFlops(MLADSAFlops):
             return super().recompute(m, tp, layer, s, e, last, kind, cp)
         T, H = e - s, m.hidden_size
         grad = 2 * (2.0 * T * (H * m.kv_lora_rank // tp) + hc_flops(m, T, mix=False))
-        return self._state_only(m, tp, T) + grad
+        return self._state_only(m, tp, T) + grad + hc_recompute(m, T, 1)
 
 
 __all__ = ["KDAFlops", "MLAKpoolFlops", "hc_flops", "_stripe"]

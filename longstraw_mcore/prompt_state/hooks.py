@@ -145,7 +145,7 @@ class StateHooks:
 
         selection = query.selection
         if query.index is not None and query.pool is not None:
-            from longstraw_mcore.ops.dsa_pool import rows_of
+            from longstraw_mcore.ops.dsa_pool import pooled_selection_of, rows_of
 
             positions, ok = pooled_selection_of(query, keys)
             selection = (rows_of(positions, ok, keys.pos), ok)
@@ -170,16 +170,6 @@ class StateHooks:
 
     def is_decode_only(self) -> bool:
         return False
-
-
-def pooled_selection_of(query: LatentQuery, keys: MLAKeys):
-    """A pooled indexer's selection for `query` over `keys` (their `pools`, or the complete pools of their raw
-    keys): (global positions [B, T, w], valid), the same on every rank that sees the same pools."""
-    from longstraw_mcore.ops.dsa_pool import pooled_positions, pools_from
-
-    qi, wi = query.index
-    pools = keys.pools if keys.pools is not None else pools_from(keys.ik, keys.ig, keys.pos, query.pool)
-    return pooled_positions(qi, wi, query.pos, pools, query.pool[1], query.topk, query.block)
 
 
 NO_STATE = StateHooks()

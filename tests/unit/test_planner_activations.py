@@ -3,7 +3,9 @@ its backward (torch.autograd.graph.saved_tensors_hooks, each storage counted onc
 prompt state's own buffers left out), per layer, for Gated DeltaNet and gated-attention layers of
 configs whose dimensions all differ (so a term with the wrong dimension cannot match), in bfloat16,
 float32 and float64, at TP=1 and TP=2, and at TP=1 with LoRA on the frozen base (planner/adapters.py
-frozen_base_activation_delta added); and GLM-5.2-tiny's MLA + DSA layers with a dense and a MoE MLP. The formulas are derived from the code, not fitted: each must
+frozen_base_activation_delta added); GLM-5.2-tiny's MLA + DSA layers with a dense and a MoE MLP; GLM-5.3-Flash-tiny's
+KDA, full and shared pooled MLA layers in their hyper-connection streams (planner/activations_glm5_next.py). The
+formulas are derived from the code, not fitted: each must
 be within 10% of the count (the residue is small shape-independent tensors and padding copies)."""
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ CASES = [  # (dtype, tp, T, overrides)
     ("float32", 2, 48, dict(hk=2, hv=4, dk=12, dv=20, C=8, Hd=48, F=64, qh=4, kvh=2, hd=16)),
 ]
 GLM_CASES = [("float32", 24), ("bfloat16", 40)]  # configs/glm-5.2-tiny.yaml at 4 layers: dense 0-2, MoE 3
+GLM5_CASES = [("float32", 29), ("bfloat16", 13)]  # configs/glm5.3-flash-tiny.yaml at 4 layers (see _worker)
 
 
 def _overrides(dtype, d):
@@ -109,13 +112,31 @@ def _worker(rank, world_size, tp):
         for layer in (1, 3):  # MLA + dense MLP, MLA + MoE
             kind = f"mla_{m.mlp_types[layer]}"
             rows.append((dtype, tp, kind, T, per[layer], layer_bytes(get_family(m.family).layers, m, tp, T, layer, keys=P - 1 + T)))
+    for dtype, T in GLM5_CASES if tp == 1 else []:  # KDA + dense, MLA full + MoE, MLA shared + MoE; 4 streams
+        import dataclasses
+
+        cfg = load_config(os.path.join(root, "configs", "glm5.3-flash-tiny.yaml"), [f"model.dtype={dtype}", "device=cpu"])
+        m = dataclasses.replace(cfg.model, num_layers=4, mixer_types=["linear_attention", "indexed_attention",
+                                                                      "indexed_attention", "linear_attention"],
+                                indexer_types=["full", "full", "shared", "full"],
+                                mlp_layer_types=["dense", "sparse", "sparse", "dense"])
+        cfg = dataclasses.replace(cfg, model=m)
+        model = get_family(m.family).build_model(m, setup_parallel(cfg), "cpu")
+        g = torch.Generator().manual_seed(0)
+        P = 38
+        state = capture(model, torch.randint(0, m.vocab_size, (1, P - 1), generator=g), cfg.replay)
+        per = _saved_per_layer(model, state, torch.randint(0, m.vocab_size, (1, T), generator=g), P)
+        for layer in (0, 1, 2):
+            kind = f"glm5 {m.layer_types[layer]}+{m.mlp_types[layer]}"
+            rows.append((dtype, tp, kind, T, per[layer], layer_bytes(get_family(m.family).layers, m, tp, T, layer,
+                                                                     keys=P - 1 + T)))
     return rows
 
 
 def test_activation_formulas_match_saved_tensors():
     rows = run_ranks(_worker, 1, 1, timeout_s=600)[0] + run_ranks(_worker, 2, 2, timeout_s=600)[0]
     for dtype, tp, kind, T, got, want in rows:
-        print(f"{dtype:9s} tp={tp} {kind:17s} T={T}: saved {got:8d} B, formula {want:8d} B ({want / got:.3f})")
-    assert len(rows) == 21
+        print(f"{dtype:9s} tp={tp} {kind:28s} T={T}: saved {got:8d} B, formula {want:8d} B ({want / got:.3f})")
+    assert len(rows) == 21 + 6
     for dtype, tp, kind, T, got, want in rows:
         assert abs(want / got - 1) <= 0.10, (dtype, tp, kind, T, got, want)
