@@ -14,7 +14,7 @@
 #                      the decisive check of fla's backward on Hopper, fla issue #640), torch's flash
 #                      attention against its twin, the CUDA twins against the CPU, the DSA kernels (indexer
 #                      scores + selection, sparse MLA forward + backward) against their twins at GLM-5.2's
-#                      head shapes                                                                      [60 s]
+#                      head shapes (KDA's test_fla_kda.py is the --kda call's)                          [60 s]
 #   2 validate_fla     `longstraw validate`, tiny model with Gated DeltaNet key dim 128, float32, exact mode,
 #                      a prefix-tree group: ops.gdn=fla against ops.gdn=plain (tools/compare_validate.py;
 #                      fla's float32 dots are TF32) -> validate_fla.json                              [40 s]
@@ -35,8 +35,17 @@
 #                      tools/bench_ladder.py at GLM-5.2's width (4 layers: 3 dense + 1 MoE of 16 experts, bf16,
 #                      the kernels), R=1K, G=8, detached over P=8K..128K within 25 s, exact 8K..32K within
 #                      10 s: tokens/s and TFLOP/s per phase, peak against the plan -> ladder_glm.json   [60 s]
+#   kda (only with --kda, as a call of its own: the steps above already fill 550 s of a 600 s call)
+#     kda_kernels      tests/gpu/test_fla_kda.py: fla's Kimi Delta Attention (ops/fla_kda.py) against the twin
+#                      (ops/kda.py) at GLM-5.3-Flash's head dims (K = V = 128), bf16 and float32, fla's
+#                      bounded-gate path and its general one, initial state and every gradient, and the
+#                      piece maps; each case's first call (compile + autotune) printed apart    [300 s]
+#     validate_kda     `longstraw validate`, the tiny GLM-5.3-Flash (4 layers: KDA, KDA, KDA, MLA) with KDA
+#                      heads of 128, float32, exact mode, a prefix-tree group: ops.gdn=fla (KDA's rule and
+#                      conv) against ops.gdn=plain -> validate_kda.json                              [150 s]
 # Usage:
 #   bash scripts/gpu_check.sh [OUT]                  on the CUDA machine (OUT defaults to $OUT, or runs/gpu_check)
+#   bash scripts/gpu_check.sh --kda [OUT]            the KDA steps alone (after versions), as their own call
 #   bash scripts/gpu_check.sh --all [OUT]            also the earlier lease's steps after these (smoke, train with a
 #                                                    checkpoint, QLoRA train, the memory switches, plan_vs_measured)
 #   bash scripts/gpu_check.sh --cpu-rehearsal [OUT]  every step on the CPU at tiny sizes, fla under Triton's interpreter
@@ -47,11 +56,12 @@
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
-dev=cuda all=0
+dev=cuda all=0 kda=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu-rehearsal) dev=cpu; shift ;;
     --all) all=1; shift ;;
+    --kda) kda=1; shift ;;
     *) break ;;
   esac
 done
@@ -112,34 +122,6 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torc
       "triton", md.version("triton"), "fla-core", md.version("fla-core") if importlib.util.find_spec("fla") else None,
       "transformers", md.version("transformers"))' | tee "$out/versions.txt"
 
-# 0 warmup: every Triton path of the later steps compiled and autotuned once (the rehearsal: tiny, interpreted)
-if [ "$dev" = cuda ]; then
-  step warmup 150 $py tools/gpu_warmup.py --out "$out/warmup.json"
-else
-  step warmup 30 $interp $py tools/gpu_warmup.py --tiny --device cpu --out "$out/warmup.json"
-fi
-
-# 1 kernels
-if [ "$dev" = cuda ]; then
-  step kernels 60 $py -m pytest -q -s -p no:cacheprovider tests/gpu tests/unit/test_cpu_compat.py \
-    tests/unit/test_attention_entry.py tests/unit/test_block_attention.py
-else
-  step kernels 90 $py -m pytest -q -s -p no:cacheprovider tests/unit/test_fla_interpreter.py \
-    tests/unit/test_dsa_interpreter.py tests/gpu
-fi
-
-# 2 validate_fla: the tiny hybrid with 2 layers (Gated DeltaNet + attention), float32, a prefix-tree group
-# (tests/hf_reference.py's weights: a decay that matters, so no gradient is a near-cancelling sum)
-small="model.num_layers=2 model.full_attention_interval=2 model.linear_key_head_dim=$gdnk model.linear_value_head_dim=$gdnk"
-$py - "$work/hf32" "$gdnk" <<'PY'
-import sys
-sys.path.insert(0, "tests")
-from hf_reference import build_hf_model, tiny_model_config
-d = int(sys.argv[2])
-build_hf_model(tiny_model_config(num_layers=2, full_attention_interval=2, vocab_size=512, linear_key_head_dim=d,
-                                 linear_value_head_dim=d, dtype="float32"), seed=5).save_pretrained(sys.argv[1])
-PY
-$py tools/make_rollouts.py "$work/tree.jsonl" --vocab 512 --prompt-len 150 --tree > /dev/null
 # kernel_vs_twin NAME HF ROLLOUTS CHUNK TOL SWITCH FAST OP...: `validate` (float32, exact, gradients dumped)
 # with SWITCH=plain and SWITCH=FAST (under Triton's interpreter in the CPU rehearsal), compared by
 # tools/compare_validate.py -> OUT/validate_NAME.json; the FAST run's receipt names FAST for every OP
@@ -157,6 +139,52 @@ kernel_vs_twin() {
 assert all(set(k[op]) == {sys.argv[2]} for op in sys.argv[3:]), k' "$work/${name}_fast/receipt.json" "$fast" "$@"
 }
 export -f kernel_vs_twin  # (the step functions run in child shells)
+
+if [ "$kda" = 1 ]; then  # Kimi Delta Attention through fla (the rehearsal: the interpreter's checks, K = 16)
+  if [ "$dev" = cuda ]; then
+    step kda_kernels 300 $py -m pytest -q -s -p no:cacheprovider tests/gpu/test_fla_kda.py
+  else
+    step kda_kernels 90 $py -m pytest -q -s -p no:cacheprovider tests/unit/test_fla_interpreter.py -k kda \
+      tests/gpu/test_fla_kda.py
+  fi
+  $py tools/make_hf_model.py "$work/hf_kda" --config configs/glm5.3-flash-tiny.yaml --seed 3 model.num_layers=4 \
+    model.linear_num_heads=4 model.linear_head_dim=$gdnk > /dev/null
+  $py tools/make_rollouts.py "$work/tree_kda.jsonl" --vocab 256 --prompt-len 40 --tree > /dev/null
+  validate_kda() { kernel_vs_twin kda "$work/hf_kda" "$work/tree_kda.jsonl" 16 5e-3 ops.gdn fla kda_rule gdn_conv; }
+  step validate_kda 150 validate_kda
+  echo "[gpu_check] summary ($out/summary.txt):"
+  cat "$out/summary.txt"
+  exit $failed
+fi
+
+# 0 warmup: every Triton path of the later steps compiled and autotuned once (the rehearsal: tiny, interpreted)
+if [ "$dev" = cuda ]; then
+  step warmup 150 $py tools/gpu_warmup.py --out "$out/warmup.json"
+else
+  step warmup 30 $interp $py tools/gpu_warmup.py --tiny --device cpu --out "$out/warmup.json"
+fi
+
+# 1 kernels
+if [ "$dev" = cuda ]; then
+  step kernels 60 $py -m pytest -q -s -p no:cacheprovider tests/gpu tests/unit/test_cpu_compat.py \
+    tests/unit/test_attention_entry.py tests/unit/test_block_attention.py --ignore=tests/gpu/test_fla_kda.py
+else
+  step kernels 90 $py -m pytest -q -s -p no:cacheprovider tests/unit/test_fla_interpreter.py \
+    tests/unit/test_dsa_interpreter.py tests/gpu
+fi
+
+# 2 validate_fla: the tiny hybrid with 2 layers (Gated DeltaNet + attention), float32, a prefix-tree group
+# (tests/hf_reference.py's weights: a decay that matters, so no gradient is a near-cancelling sum)
+small="model.num_layers=2 model.full_attention_interval=2 model.linear_key_head_dim=$gdnk model.linear_value_head_dim=$gdnk"
+$py - "$work/hf32" "$gdnk" <<'PY'
+import sys
+sys.path.insert(0, "tests")
+from hf_reference import build_hf_model, tiny_model_config
+d = int(sys.argv[2])
+build_hf_model(tiny_model_config(num_layers=2, full_attention_interval=2, vocab_size=512, linear_key_head_dim=d,
+                                 linear_value_head_dim=d, dtype="float32"), seed=5).save_pretrained(sys.argv[1])
+PY
+$py tools/make_rollouts.py "$work/tree.jsonl" --vocab 512 --prompt-len 150 --tree > /dev/null
 validate_fla() { kernel_vs_twin fla "$work/hf32" "$work/tree.jsonl" 64 5e-3 ops.gdn fla gdn_rule gdn_conv; }
 step validate_fla 40 validate_fla
 

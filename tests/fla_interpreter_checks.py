@@ -8,9 +8,10 @@ Cases (float32, tiny shapes): the rule with grouped values (2 key heads, 4 value
 and a gradient entering through the final state (exact mode's sweep and replay); without an initial
 state over two of fla's 64-token chunks with V != K (capture's first chunk); one token (a decode step);
 the sequence-parallel piece maps (values K wider, entered with [I | 0]: ops/gdn_pieces.py); the causal
-conv with a window in and out, without one, shorter than the window, and empty (a CP piece). Every
-output, state and input gradient is compared, the state gradients included. tests/unit/test_fla_interpreter.py
-runs it and holds every figure to 1e-5.
+conv with a window in and out, without one, shorter than the window, and empty (a CP piece); and Kimi Delta
+Attention's rule (ops/fla_kda.py against ops/kda.py: tests/fla_kda_checks.py, "kda_*"). Every output, state
+and input gradient is compared, the state gradients included. tests/unit/test_fla_interpreter.py runs it and
+holds every figure to 1e-5.
 """
 
 from __future__ import annotations
@@ -20,18 +21,21 @@ import os
 
 import torch
 
+import fla_kda_checks
+
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30)
 
 
-def _compare(fn, inputs: dict, names: list[str]) -> dict:
-    """fn(module, **leaves) -> outputs under fla and the twin; every output and every input's gradient,
-    with a fixed random weighting of each output as the loss (so every entry of each gets a gradient)."""
+def _compare(fn, inputs: dict, names: list[str], mods=None) -> dict:
+    """fn(module, **leaves) -> outputs under fla and the twin (`mods`: (fla's, the twin's), default the Gated
+    DeltaNet pair); every output and every input's gradient, with a fixed random weighting of each output as
+    the loss (so every entry of each gets a gradient)."""
     from longstraw_mcore.ops import fla_gdn, gated_delta
 
     res = {}
-    for name, mod in (("fla", fla_gdn), ("plain", gated_delta)):
+    for name, mod in zip(("fla", "plain"), mods or (fla_gdn, gated_delta)):
         leaves = {n: (x.clone().requires_grad_(True) if x is not None else None) for n, x in inputs.items()}
         outs = fn(mod, **leaves)
         gen = torch.Generator().manual_seed(7)
@@ -150,6 +154,7 @@ def main() -> None:
     out.update(conv_cases(gen))
     out["dispatch"] = dispatch_case()
     out["gate"] = gate_case(gen)
+    out.update(fla_kda_checks.kda_cases(_compare))
     print(json.dumps(out))
 
 

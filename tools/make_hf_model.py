@@ -8,8 +8,8 @@ to compare (scripts/gpu_check.sh), without needing `transformers`.
 --head token_value: a critic (`score` [1, H] + bias in place of lm_head; the token-classification
 layout with one label); sequence_score: a reward model (`score` without a bias): checkpoint/heads.py.
 
-Weights: Megatron's initialisation on the CPU, then every vector (norm weights, A_log, dt_bias) moved
-by ~0.1 so no tensor is a constant.
+Weights: Megatron's initialisation on the CPU, then every vector (norm weights, A_log, dt_bias) and every
+matrix that starts constant (GLM-5.3-Flash's pool gate) moved by ~0.1 so no tensor is a constant.
 """
 
 import argparse
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(a.seed + 1)
     with torch.no_grad():
         for prm in model.parameters():
-            if prm.dim() == 1:
+            if prm.dim() == 1 or bool((prm == prm.flatten()[0]).all()):  # vectors, and constant matrices
                 prm.add_((0.1 * torch.randn(prm.shape, generator=gen, dtype=torch.float64)).to(prm.dtype))
     from longstraw_mcore.checkpoint import heads
 

@@ -203,21 +203,39 @@ def _slots(n: int, dp: int, dp_rank: int, ep: int) -> list[tuple[int, bool]]:
 
 
 def _layer_receipt(m, touched: dict) -> dict:
-    """Every decoder layer: its kind, the ranks that ran it, its prompt-state bytes per position
-    (analytic, whole model, the model's dtype); GLM-5.x adds the IndexShare schedule."""
+    """Every decoder layer: its kind, the ranks that ran it, its prompt-state bytes (analytic, whole model, the
+    model's dtype, exact mode's chunk boundaries left out) as `state_bytes_per_position`, what each further prompt
+    position adds (an MLA latent, an index key, a pooled key's share), and `state_bytes_constant`, what the layer
+    keeps whatever the prompt's length (a recurrent state); a pooled layer also keeps the raw keys of an incomplete
+    last pool (prompt_state/mla_pool.py). Layers with a DSA indexer add the IndexShare schedule."""
     from longstraw_mcore.prompt_state.containers import analytic_state_bytes
 
     layers = get_family(m.family).layers
-    per_layer = [sum(analytic_state_bytes(layers, m, 1, 1, layer_types=[t]).values()) for t in m.layer_types]
-    for entry, b in zip(touched["layers"], per_layer):
-        entry["state_bytes_per_position"] = b
-    out = dict(touched, state_bytes_per_position=sum(per_layer))
-    if getattr(m, "indexer_types", None) is not None:
+    per_layer = [_state_growth(lambda n, t=t: sum(analytic_state_bytes(layers, m, 1, n, layer_types=[t]).values()))
+                 for t in m.layer_types]
+    for entry, (per, const) in zip(touched["layers"], per_layer):
+        entry["state_bytes_per_position"], entry["state_bytes_constant"] = per, const
+    out = dict(touched, state_bytes_per_position=sum(p for p, _ in per_layer),
+               state_bytes_constant=sum(c for _, c in per_layer))
+    if getattr(m, "indexer_types", None) is not None:  # (over every layer, as transformers keeps it; the indexer
+        # runs in the DSA layers of type mla_dsa_full)
         out["index_share_schedule"] = {"indexer_types": list(m.indexer_types),
-                                       "full_layers": [i for i, t in enumerate(m.indexer_types) if t == "full"]}
+                                       "full_layers": [i for i, t in enumerate(m.layer_types) if t == "mla_dsa_full"]}
         out["indexer_gradient"] = ("none: the DSA top-k selection is not differentiable, so the indexer weights get "
                                    "no policy gradient (as in the transformers reference)")
     return out
+
+
+def _state_growth(at) -> tuple:
+    """`at(n)`: bytes kept for n prompt positions -> (bytes per position, constant bytes), read between n = L and
+    2 L with L a multiple of every pool length up to 128 (pooled keys grow by whole pools)."""
+    from fractions import Fraction
+    from math import lcm
+
+    L = lcm(*range(1, 129))
+    per = Fraction(at(2 * L) - at(L), L)
+    const = at(L) - per * L
+    return tuple(int(x) if x.denominator == 1 else float(x) for x in (per, const))
 
 
 def _memory_receipt(cfg, groups, world: int, measured: list[int]) -> dict:

@@ -94,5 +94,29 @@ def build_model(model_cfg: Glm5NextConfig, parallel, device: str, layer_kinds: d
     pc = built_layout(parallel, with_ep=True)
     model_cfg.check_layout(pc)
     spec = block_spec(model_cfg, stage_range(parallel, vp_stage), parallel.tp_kv)
-    return language_model.build(transformer_config(model_cfg, pc, device), model_cfg, parallel, spec, layer_kinds,
-                                device, head, vp_stage)
+    model = language_model.build(transformer_config(model_cfg, pc, device), model_cfg, parallel, spec, layer_kinds,
+                                 device, head, vp_stage)
+    init_streams_and_pools(model)
+    return model
+
+
+def init_streams_and_pools(model) -> None:
+    """transformers' initialisation of what Megatron does not initialise here: each hyper-connection's fn normal
+    (std 0.02), base 0, scale 1; the pooled indexer's ape 0 and gate 1. fn is drawn in full from a generator keyed
+    by (run seed, layer, sublayer), so every layout (and every TP replica) starts from the same weights."""
+    from longstraw_mcore.models.mixers.common import full_then_shard
+
+    seed = torch.initial_seed()
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            for slot in ("input_layernorm", "pre_mlp_layernorm"):
+                hc = getattr(layer, slot).hc
+                fn = full_then_shard(tuple(hc.fn.shape), lambda t, g: t.normal_(0.0, 0.02, generator=g), 0, 1,
+                                     hc.fn.dtype, seed, f"layer{layer.layer_number}{slot}", sharded=False)
+                hc.fn.copy_(fn)
+                hc.base.zero_()
+                hc.scale.fill_(1.0)
+            ix = getattr(layer.self_attention, "indexer", None)
+            if ix is not None and hasattr(ix, "kpool_ape"):
+                ix.kpool_ape.zero_()
+                ix.kpool_gate.fill_(1.0)

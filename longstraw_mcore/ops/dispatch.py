@@ -14,7 +14,9 @@ run's choice (`ops.*` in a run config, applied by `configure`):
                 extra; on Hopper with Triton < 3.7.1 only for key dims > 64), the plain twins
                 (ops/gated_delta.py) otherwise; plain: the twins; fla: fla, and an error naming the
                 reason where it cannot run. On CPU, fla runs only forced and under Triton's
-                interpreter (ops/triton_interpret.py: the tests that hold it to the twins)
+                interpreter (ops/triton_interpret.py: the tests that hold it to the twins). The same
+                choice runs Kimi Delta Attention's rule (GLM-5.3-Flash; `kda_kernel`: ops/fla_kda.py or
+                the twin ops/kda.py; key dims <= 256, no Hopper gate) and its conv (`conv_kernel`)
     dsa         GLM's DSA indexer top-k and sparse MLA attention. auto: the project's Triton kernels
                 (ops/dsa_triton_indexer.py, ops/dsa_triton_mla.py) for CUDA bf16 / fp16 / fp32, the
                 plain twins (ops/dsa.py) otherwise; plain: the twins; triton: the kernels, and an error
@@ -31,7 +33,8 @@ import dataclasses
 from contextlib import contextmanager
 
 from longstraw_mcore.config import OpsConfig
-from longstraw_mcore.ops import block_attention, dsa, fla_gdn, flash_attention, gated_delta, kda, triton_interpret
+from longstraw_mcore.ops import (block_attention, dsa, fla_gdn, fla_kda, flash_attention, gated_delta, kda,
+                                 triton_interpret)
 from longstraw_mcore.ops.kernel_choice import DSA_DTYPES, attention_kernel_name
 
 _choice = OpsConfig()
@@ -49,7 +52,7 @@ def reset_kernels() -> None:
 
 def kernels_run() -> dict[str, dict[str, int]]:
     """{op: {kernel: calls}} since the last `reset_kernels()`: attention {flash | plain},
-    gdn_rule and gdn_conv {fla | plain}, kda_rule {plain}, dsa_indexer and dsa_attention {triton | plain}."""
+    gdn_rule, gdn_conv and kda_rule {fla | plain}, dsa_indexer and dsa_attention {triton | plain}."""
     return {op: dict(per) for op, per in sorted(_runs.items())}
 
 
@@ -102,11 +105,25 @@ def gdn_kernel(v, key_dim: int):
     return _gdn("gdn_rule", v, key_dim)
 
 
-def kda_kernel(v):
-    """The module whose `chunk_kda` runs Kimi Delta Attention for values `v`: the plain twin (ops/kda.py)
-    until fla's KDA kernels are adapted (issue 47)."""
-    _record("kda_rule", "plain")
-    return kda
+def kda_kernel(v, key_dim: int | None = None, lower_bound: float | None = None):
+    """What runs Kimi Delta Attention's `chunk_kda` (the twin's contract) for values `v` and keys of `key_dim`
+    (default v's head dim: KDA's K = V in GLM-5.3-Flash), by the `ops.gdn` choice (the KDA layer's conv is
+    `conv_kernel`'s already): fla's kernels (ops/fla_kda.py) or the plain twin (ops/kda.py), recorded as
+    op "kda_rule". `lower_bound`: the gate's bound when g comes from `kda_gate` with one; fla then gets it
+    bound (`fla_kda.bounded`: its bounded-gate path for bounds in [-5, 0)); the twin needs none."""
+    c = _choice.gdn
+    if c == "plain":
+        why = "ops.gdn=plain"
+    elif c == "auto" and v.device.type != "cuda":
+        why = "auto takes fla on CUDA only"
+    else:
+        why = fla_kda.missing(v, key_dim)
+    if c == "fla" and why is not None:
+        raise ValueError(f"ops.gdn=fla cannot run Kimi Delta Attention here: {why} (use ops.gdn=auto or plain)")
+    _record("kda_rule", "plain" if why else "fla")
+    if why:
+        return kda
+    return fla_kda if lower_bound is None else fla_kda.bounded(float(lower_bound))
 
 
 def conv_kernel(x):

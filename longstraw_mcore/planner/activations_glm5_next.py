@@ -76,9 +76,9 @@ def _pooled_width(m, keys: int) -> int:
 
 
 def mla_kpool_layer_bytes(m, tp: int, T: int, layer: int, keys: int = 0, produce_only: bool = False,
-                          query_block: int = 0, kernel: str = "plain") -> int:
+                          query_block: int = 0, kernel: str = "plain", gdn_wide: bool = False) -> int:
     """An MLA + DSA layer with the pooled indexer: GLM-5.2's mixer terms at the pooled selection's width, two
-    hyper-connected sublayers."""
+    hyper-connected sublayers (`gdn_wide` is the KDA layers' context-parallel flag: no term here)."""
     keys = max(keys, T)
     mix = mla_bytes(m, tp, T, keys, query_block, kernel, k=_pooled_width(m, keys))
     if produce_only:

@@ -18,6 +18,9 @@ a capture chunk's raw keys are gathered over CP before pooling (prompt_state/con
               segments, its own) complete, per branch row
     exact     the indexer gets no gradient and the prompt's pools are all known after the capture: a chunk's
               recompute sees them all (a pool ending after a query is not a candidate for it)
+
+Bytes: the latents as mla.py counts them ("mla_latent": staged, moved by memory.state_offload / fp8) and the pools
+with the raw tail ("dsa_pooled_keys": resident, 1/kpool of an index key per position).
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ class MLAPoolIndexerState(MLALatentState):
     # --- memory ---------------------------------------------------------------------------------
     def kept(self):
         out = super().kept()
-        out["dsa_index_keys"] = [self.pooled] + [t for t in (self.tail_k, self.tail_g) if t is not None]
+        out["dsa_pooled_keys"] = [self.pooled] + [t for t in (self.tail_k, self.tail_g) if t is not None]
         return out
 
     @classmethod
@@ -112,5 +115,5 @@ class MLAPoolIndexerState(MLALatentState):
         scores (the prompt taken as `captured` x cp positions: exact at cp = 1)."""
         out = super().analytic_bytes(m, tp, captured, exact_chunks, batch, cp)
         total, e = captured * cp, element_size(m.torch_dtype)
-        out["dsa_index_keys"] = (total // m.index_kpool + 2 * (total % m.index_kpool)) * m.index_head_dim * e * batch
+        out["dsa_pooled_keys"] = (total // m.index_kpool + 2 * (total % m.index_kpool)) * m.index_head_dim * e * batch
         return out

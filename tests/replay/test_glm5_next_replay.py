@@ -98,4 +98,4 @@ def test_glm5_next_replay_exact_detached_and_hf_cache():
         assert r["logp"] <= 1e-10 and r["grad"] <= 1e-10 and r["n"] > 60, r
     for measured, analytic in out["bytes"]:
         print(f"GLM-5.3 state bytes {measured} (analytic {analytic})")
-        assert measured == analytic and {"mla_latent", "dsa_index_keys", "gdn_state"} <= set(measured), measured
+        assert measured == analytic and {"mla_latent", "dsa_pooled_keys", "gdn_state"} <= set(measured), measured

@@ -27,3 +27,29 @@ def test_gdn_dispatch_on_cpu():
     with dispatch.override(gdn="plain"):
         assert dispatch.gdn_kernel(v, 16) is gated_delta
     assert dispatch.kernels_run() == {"gdn_conv": {"plain": 1}, "gdn_rule": {"plain": 3}}
+
+
+def test_kda_dispatch_on_cpu():
+    """Kimi Delta Attention's rule under the same `ops.gdn` choice: the twin (ops/kda.py) for auto / plain on the
+    CPU, a bound changes nothing there; `fla` refused naming the reason (the CPU without the interpreter,
+    float64, a key dim over fla's 256); the counts as op "kda_rule"."""
+    from longstraw_mcore.ops import dispatch, fla_kda, kda, triton_interpret
+
+    if triton_interpret.active():
+        pytest.skip("this process interprets Triton (TRITON_INTERPRET=1): fla would run on CPU tensors")
+    v = torch.randn(1, 3, 2, 16)
+    dispatch.reset_kernels()
+    assert dispatch.kda_kernel(v) is kda and dispatch.kda_kernel(v.bfloat16(), lower_bound=-5.0) is kda
+    with dispatch.override(gdn="plain"):
+        assert dispatch.kda_kernel(v, 16) is kda
+    with dispatch.override(gdn="fla"):
+        with pytest.raises(ValueError, match="ops.gdn=fla cannot run Kimi Delta Attention here: values are on the CPU "
+                                             "and Triton is not interpreting"):
+            dispatch.kda_kernel(v)
+        with pytest.raises(ValueError, match=r"values are torch.float64 \(fla runs bf16 / fp16 / fp32\)"):
+            dispatch.kda_kernel(v.double())
+        with pytest.raises(ValueError, match=r"key dim 300 > 256 .*\(use ops.gdn=auto or plain\)"):
+            dispatch.kda_kernel(v, key_dim=300)
+    assert dispatch.kernels_run() == {"kda_rule": {"plain": 3}}
+    assert fla_kda.missing(v.half(), 16) == fla_kda.missing(v, 16) and "not interpreting" in fla_kda.missing(v)
+    assert fla_kda.missing(torch.zeros(1, 1, 1, 257)).startswith("key dim 257 > 256")

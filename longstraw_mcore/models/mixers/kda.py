@@ -105,7 +105,7 @@ class KDAMixer(MegatronModule):
         sd = self.state_dtype
         g = kda_gate(f.reshape(B, T, n), self.A_log[h0:h1], self.dt_bias[h0 * K:h1 * K], self.lower_bound).to(sd)
         beta = torch.sigmoid(b.to(sd))
-        rule = kda_kernel(v).chunk_kda
+        rule = kda_kernel(v, K, self.lower_bound).chunk_kda  # (fla on CUDA: its bounded-gate path where bounded)
         if piece:
             return piece_maps(q, k, v, g, beta, chunk_size=self.chunk_size, state_dtype=sd, rule=rule), None
         o, rec = rule(q, k, v, g, beta, state.recurrent if state is not None else None, chunk_size=self.chunk_size,
