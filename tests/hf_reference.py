@@ -4,6 +4,8 @@ dt_bias, ...) so that a wrong mapping or a swapped tensor cannot pass."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from longstraw_mcore.checkpoint.qwen3_5 import hf_config_dict
@@ -73,3 +75,35 @@ class LiftFloat32ToFloat64(torch.overrides.TorchFunctionMode):
 
 def hf_state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@contextlib.contextmanager
+def recorded_topk_gaps():
+    """Within the block, every DSA selection (ops/dsa.py `select_topk`, the pooled one's too) records the smallest
+    gap between its k-th and (k+1)-th score over the queries that see more than k candidates: the list yielded.
+    torch.topk (transformers') orders ties its own way and ours breaks them toward the earlier key, so a parity
+    test must show a positive gap."""
+    import longstraw_mcore.ops.dsa as D
+
+    gaps, orig = [], D.select_topk
+
+    def recording(scores, k):
+        top = torch.sort(scores, -1, descending=True).values
+        many = (scores > float("-inf")).sum(-1) > k
+        if many.any():
+            gaps.append(float((top[..., k - 1] - top[..., k])[many].min()))
+        return orig(scores, k)
+
+    D.select_topk = recording
+    try:
+        yield gaps
+    finally:
+        D.select_topk = orig
+
+
+def hf_grads(model) -> dict:
+    """A transformers model's parameter gradients by name (zeros where none arrived), and zeros for its routers'
+    correction-bias buffers (GLM's `e_score_correction_bias`: no gradient), as the checkpoint tables read them."""
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    grads.update({n: torch.zeros_like(b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    return grads

@@ -35,6 +35,7 @@ from longstraw_mcore.config.run import MODEL_CONFIGS, ModelConfig, RunConfig
 from longstraw_mcore.config.sections import (GRPOConfig, OpsConfig, ReplayConfig, RolloutConfig, TaskConfig,
                                              TrainConfig)
 
-__all__ = ["AdapterConfig", "MemoryConfig", "ConfigError", "ModelConfig", "Qwen35Config", "GlmDsaConfig", "glm_5_2", "Glm5NextConfig", "glm_5_3_flash", "ParallelConfig", "ReplayConfig",
-           "GRPOConfig", "PPOConfig", "RolloutConfig", "OpsConfig", "TaskConfig", "TrainConfig", "RunConfig", "MODEL_CONFIGS",
-           "DatasetConfig", "RewardConfig", "EnvConfig", "load_config", "apply_overrides", "config_to_dict", "model_config_from_dict"]
+__all__ = ["AdapterConfig", "MemoryConfig", "ConfigError", "ModelConfig", "Qwen35Config", "GlmDsaConfig", "glm_5_2",
+           "Glm5NextConfig", "glm_5_3_flash", "ParallelConfig", "ReplayConfig", "GRPOConfig", "PPOConfig",
+           "RolloutConfig", "OpsConfig", "TaskConfig", "TrainConfig", "RunConfig", "MODEL_CONFIGS", "DatasetConfig",
+           "RewardConfig", "EnvConfig", "load_config", "apply_overrides", "config_to_dict", "model_config_from_dict"]

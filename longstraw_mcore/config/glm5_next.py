@@ -80,12 +80,12 @@ class Glm5NextConfig(ModelBase):
 
     def __post_init__(self) -> None:
         check_choices(self, "model")
-        check_ints(self, "model", ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_attention_heads",
-                                   "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "index_n_heads",
-                                   "index_head_dim", "index_topk", "index_kpool", "n_routed_experts",
-                                   "num_experts_per_tok", "moe_intermediate_size", "linear_num_heads", "linear_head_dim",
-                                   "linear_conv_kernel_dim", "hc_mult", "hc_sinkhorn_iters", "attention_block",
-                                   "index_block", "gdn_chunk_size", "make_vocab_size_divisible_by"))
+        check_ints(self, "model", (
+            "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_attention_heads", "q_lora_rank",
+            "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",
+            "index_kpool", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "linear_num_heads",
+            "linear_head_dim", "linear_conv_kernel_dim", "hc_mult", "hc_sinkhorn_iters", "attention_block",
+            "index_block", "gdn_chunk_size", "make_vocab_size_divisible_by"))
         n = self.num_layers
         if self.mixer_types is None:
             self.mixer_types = ["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
@@ -99,11 +99,12 @@ class Glm5NextConfig(ModelBase):
             v = list(getattr(self, name))
             if len(v) != n or any(t not in allowed for t in v):
                 raise ConfigError(f"model.{name}={v}: need model.num_layers={n} entries, each one of {list(allowed)}")
-        bad = [i for i, t in enumerate(self.indexer_types) if t == "shared" and self.mixer_types[i] == "indexed_attention"
-               and not (i > 0 and self.mixer_types[i - 1] == "indexed_attention" and self.indexer_types[i - 1] == "full")]
+        mla = [t == "indexed_attention" for t in self.mixer_types]
+        full = [a and s == "full" for a, s in zip(mla, self.indexer_types)]
+        bad = [i for i, s in enumerate(self.indexer_types) if s == "shared" and mla[i] and not (i > 0 and full[i - 1])]
         if bad:  # transformers hands a selection only from a full MLA layer to the layer right after it
-            raise ConfigError(f"model.indexer_types: MLA layer(s) {bad} are 'shared' but the layer before each is not a "
-                              "full MLA layer (a KDA layer hands on no selection); make them 'full'")
+            raise ConfigError(f"model.indexer_types: MLA layer(s) {bad} are 'shared' but the layer before each is not "
+                              "a full MLA layer (a KDA layer hands on no selection); make them 'full'")
         if self.qk_rope_head_dim != 0:
             raise ConfigError(f"model.qk_rope_head_dim={self.qk_rope_head_dim}: GLM-5.3-Flash's MLA has no RoPE; use 0")
         if self.index_topk % self.index_kpool:
@@ -179,8 +180,8 @@ class Glm5NextConfig(ModelBase):
         bad = [i for i in starts if self.layer_types[i] == "mla_dsa_shared"]
         if bad:  # a shared layer reads the selection of the layer before it, on its own stage
             raise ConfigError(f"parallel.pp_layers={stages}: {'virtual ' if p.vpp > 1 else ''}stage(s) would start at "
-                              f"layer(s) {bad}, which reuse the previous layer's selection (indexer 'shared'); move the "
-                              "stage boundary")
+                              f"layer(s) {bad}, which reuse the previous layer's selection (indexer 'shared'); move "
+                              "the stage boundary")
         if p.cp > 1 and self.gdn_cp == "heads" and (self.linear_num_heads // p.tp) % p.cp:
             raise ConfigError(f"model.gdn_cp=heads: model.linear_num_heads={self.linear_num_heads} is not divisible by "
                               f"parallel.tp*parallel.cp={p.tp}*{p.cp} (or model.gdn_cp=sequence / auto: any cp)")

@@ -14,13 +14,10 @@ stage: one `TopkShare` per stage's block).
 
 from __future__ import annotations
 
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -29,7 +26,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from longstraw_mcore import cpu_compat
 from longstraw_mcore.config import GlmDsaConfig, ParallelConfig
 from longstraw_mcore.models import language_model
-from longstraw_mcore.models.glm_moe import float64_routing, moe_config_kwargs, sequence_sharded_moe_spec
+from longstraw_mcore.models.glm_moe import float64_routing, mlp_spec, moe_config_kwargs
 from longstraw_mcore.models.language_model import ReplayLanguageModel, built_layout, pipeline_kwargs, stage_range
 from longstraw_mcore.models.mixers.mla_dsa import MLADSAMixer, MLADSASubmodules, TopkShare
 from longstraw_mcore.models.norms import RMSNorm
@@ -60,11 +57,7 @@ def layer_spec(i: int, m: GlmDsaConfig, share: TopkShare, kv=None) -> ModuleSpec
     """Layer `i` (global); `kv`: the TP group as one KV group at tp > 1 (the latent striped over it)."""
     mixer = ModuleSpec(module=MLADSAMixer, submodules=MLADSASubmodules(),
                        params={"model_cfg": m, "share": share, "kv": kv})
-    if m.mlp_types[i] == "dense":
-        mlp = partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                                     linear_fc2=RowParallelLinear))
-    else:
-        mlp = sequence_sharded_moe_spec(m.n_routed_experts)
+    mlp = mlp_spec(m, i)
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=RMSNorm, self_attention=mixer, self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=RMSNorm, mlp=mlp, mlp_bda=get_bias_dropout_add))

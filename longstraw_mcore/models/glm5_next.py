@@ -22,8 +22,6 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -32,7 +30,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from longstraw_mcore import cpu_compat
 from longstraw_mcore.config import Glm5NextConfig, ParallelConfig
 from longstraw_mcore.models import language_model
-from longstraw_mcore.models.glm_moe import float64_routing, moe_config_kwargs, sequence_sharded_moe_spec
+from longstraw_mcore.models.glm_moe import float64_routing, mlp_spec, moe_config_kwargs
 from longstraw_mcore.models.hyper_connection import HCHead, HCNorm, hc_bda
 from longstraw_mcore.models.language_model import ReplayLanguageModel, built_layout, pipeline_kwargs, stage_range
 from longstraw_mcore.models.mixers.kda import KDAMixer, KDASubmodules
@@ -67,11 +65,7 @@ def layer_spec(i: int, m: Glm5NextConfig, share: TopkShare, kv=None) -> ModuleSp
     else:
         mixer = ModuleSpec(module=MLAKpoolMixer, submodules=MLADSASubmodules(),
                            params={"model_cfg": m, "share": share, "kv": kv})
-    if m.mlp_types[i] == "dense":
-        mlp = partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                                     linear_fc2=RowParallelLinear))
-    else:
-        mlp = sequence_sharded_moe_spec(m.n_routed_experts)
+    mlp = mlp_spec(m, i)
     norm = partial(HCNorm, model_cfg=m)
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=norm, self_attention=mixer, self_attn_bda=hc_bda, pre_mlp_layernorm=norm, mlp=mlp,

@@ -85,6 +85,20 @@ def float64_routing() -> None:
     router.topk_routing_with_score_function = routing
 
 
+def mlp_spec(m, i: int):
+    """Layer `i`'s MLP slot: Megatron's SwiGLU `MLP` on a dense layer (m.mlp_types), the sequence-sharded MoE
+    otherwise (GLM-5.x and GLM-5.3-Flash)."""
+    from functools import partial
+
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    if m.mlp_types[i] == "dense":
+        return partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                      linear_fc2=RowParallelLinear))
+    return sequence_sharded_moe_spec(m.n_routed_experts)
+
+
 def sequence_sharded_moe_spec(num_experts: int):
     """The MoE layer spec of `moe_layer_builder` with `SequenceShardedMoE` as its module (any tp)."""
     from functools import partial

@@ -70,13 +70,7 @@ class GatedRMSNorm(torch.nn.Module):
         return (h * F.silu(z.to(work))).to(x.dtype)
 
 
-class SigmoidGatedRMSNorm(torch.nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, tp_group=None, dtype=torch.float32):
-        super().__init__()
-        self.eps = eps
-        self.tp_group = tp_group
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-
+class SigmoidGatedRMSNorm(GatedRMSNorm):
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         work = _work_dtype(x.dtype)
         h = x.to(work)

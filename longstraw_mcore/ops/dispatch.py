@@ -86,14 +86,20 @@ def attention_kernel(q):
     return flash_attention if ok else block_attention
 
 
+def _why_not(choice: str, option: str, x, missing) -> str | None:
+    """Why `option`'s kernels do not run for tensors like `x` under the choice (auto / plain / the kernels'
+    name), or None: plain refuses, auto takes them on CUDA only (decided before `missing()`, which imports
+    triton), otherwise `missing()` says."""
+    if choice == "plain":
+        return f"{option}=plain"
+    if choice == "auto" and x.device.type != "cuda":
+        return "auto takes the kernels on CUDA only"
+    return missing()
+
+
 def _gdn(op: str, x, key_dim: int | None):
     c = _choice.gdn
-    if c == "plain":
-        why = "ops.gdn=plain"
-    elif c == "auto" and x.device.type != "cuda":
-        why = "auto takes fla on CUDA only"  # (decided before fla_gdn.missing, which imports triton)
-    else:
-        why = fla_gdn.missing(x, key_dim)
+    why = _why_not(c, "ops.gdn", x, lambda: fla_gdn.missing(x, key_dim))
     if c == "fla" and why is not None:
         raise ValueError(f"ops.gdn=fla cannot run here: {why} (use ops.gdn=auto or plain)")
     _record(op, "plain" if why else "fla")
@@ -112,12 +118,7 @@ def kda_kernel(v, key_dim: int | None = None, lower_bound: float | None = None):
     op "kda_rule". `lower_bound`: the gate's bound when g comes from `kda_gate` with one; fla then gets it
     bound (`fla_kda.bounded`: its bounded-gate path for bounds in [-5, 0)); the twin needs none."""
     c = _choice.gdn
-    if c == "plain":
-        why = "ops.gdn=plain"
-    elif c == "auto" and v.device.type != "cuda":
-        why = "auto takes fla on CUDA only"
-    else:
-        why = fla_kda.missing(v, key_dim)
+    why = _why_not(c, "ops.gdn", v, lambda: fla_kda.missing(v, key_dim))
     if c == "fla" and why is not None:
         raise ValueError(f"ops.gdn=fla cannot run Kimi Delta Attention here: {why} (use ops.gdn=auto or plain)")
     _record("kda_rule", "plain" if why else "fla")
@@ -142,12 +143,7 @@ def dsa_kernel(x, op: str):
     """The module whose `indexer_topk` (op "dsa_indexer") or `mla_sparse` / `mla_sparse_partial` (op
     "dsa_attention") runs for tensors like `x` (the queries)."""
     c = _choice.dsa
-    if c == "plain":
-        why = "ops.dsa=plain"
-    elif c == "auto" and x.device.type != "cuda":
-        why = "auto takes the kernels on CUDA only"
-    else:
-        why = _dsa_missing(x)
+    why = _why_not(c, "ops.dsa", x, lambda: _dsa_missing(x))
     if c == "triton" and why is not None:
         raise ValueError(f"ops.dsa=triton cannot run here: {why} (use ops.dsa=auto or plain)")
     _record(op, "plain" if why else "triton")

@@ -129,22 +129,24 @@ def _param_entries(model) -> dict:
     return {id(t.data): t for t in nested_values(sharded)}
 
 
-def _request(slots, model, tensors_of) -> tuple[dict, list]:
-    """(the sharded dict of `tensors_of(slot) -> {state: parameter-shaped tensor}` over the slots, each
-    slot's parameter key)."""
+def _request(slots, model, tensors_of) -> dict:
+    """The sharded dict of `tensors_of(slot) -> {state: parameter-shaped tensor}`: slot i's under `slots.<i>`.
+    Indexed by slot, not by the checkpoint key: a key is not one parameter's. The local experts of a MoE layer
+    (Megatron's SequentialMLP) share theirs, `...experts.experts.linear_fc1.weight`, each its own part of
+    the stacked expert axis (its global offset), as Megatron's own optimizer indexes its state by parameter
+    (dist_checkpointing/optimizer.py optim_state_to_sharding_state)."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     entries = _param_entries(model)
-    out, keys = {}, []
-    for slot in slots:
+    out = {}
+    for i, slot in enumerate(slots):
         if id(slot.p) not in entries:
             raise RuntimeError(f"a trained parameter of shape {tuple(slot.p.shape)} is not in the model's sharded "
                                "state dict")
-        keys.append(entries[id(slot.p)].key)
-        for name, t in tensors_of(slot).items():
-            ent = make_sharded_optimizer_tensor(entries[id(slot.p)], t, f"optimizer.{name}")
-            out[ent.key] = ent
-    return out, keys
+        entry = entries[id(slot.p)]
+        out[str(i)] = {name: make_sharded_optimizer_tensor(entry, t, f"optimizer.{name}")
+                       for name, t in tensors_of(slot).items()}
+    return {"slots": out}
 
 
 def _dtype(p) -> torch.dtype:
@@ -174,7 +176,7 @@ def save(opt, model, directory: Path) -> None:
         return got
 
     slots = _slots(opt)
-    request, _ = _request(slots, model, tensors)
+    request = _request(slots, model, tensors)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, sorted(steps))
     common = sorted({s for mine in every for s in mine})
@@ -196,20 +198,21 @@ def load(opt, model, directory: Path) -> None:
         return {k: torch.empty(slot.p.shape, dtype=_dtype(slot.p)) for k in names}
 
     slots = _slots(opt)
-    request, keys = _request(slots, model, empty)
+    request = _request(slots, model, empty)
     request["step"] = 0
     got = dist_checkpointing.load(request, str(directory))
     step = int(got["step"])
     with torch.no_grad():
-        for slot, key in zip(slots, keys):
+        for i, slot in enumerate(slots):
+            mine = got["slots"][str(i)]
             st = slot.state
             if st is None:
                 continue  # (the distributed optimizer: no part of it on this rank)
             dev = slot.leaf.device
             for k in STATES:
-                st[k] = slot.mine(got[f"optimizer.{k}.{key}"].to(dev)).to(slot.leaf.dtype).clone()
+                st[k] = slot.mine(mine[k].to(dev)).to(slot.leaf.dtype).clone()
             st["step"] = torch.tensor(float(step))
             if slot.has_main():
-                slot.leaf.copy_(slot.mine(got[f"optimizer.main.{key}"].to(dev)))
+                slot.leaf.copy_(slot.mine(mine["main"].to(dev)))
                 if slot.leaf.shape == slot.p.shape:  # Megatron's Float16 optimizer: the model copy too
                     slot.p.data.copy_(slot.leaf.to(slot.p.dtype))

@@ -73,7 +73,8 @@ def _ours(layer, lower, pgs, rank):
     from longstraw_mcore.models.mixers.kda import KDAMixer, KDASubmodules
 
     tp = pgs.tp.size()
-    m = Glm5NextConfig(vocab_size=16, hidden_size=HD, intermediate_size=8, num_layers=1, mixer_types=["linear_attention"],
+    m = Glm5NextConfig(vocab_size=16, hidden_size=HD, intermediate_size=8, num_layers=1,
+                       mixer_types=["linear_attention"],
                        num_attention_heads=2, q_lora_rank=4, kv_lora_rank=4, qk_nope_head_dim=2, v_head_dim=2,
                        index_n_heads=1, index_head_dim=2, index_topk=4, index_kpool=4, n_routed_experts=2,
                        num_experts_per_tok=1, moe_intermediate_size=4, linear_num_heads=H, linear_head_dim=K,
@@ -149,7 +150,8 @@ def _worker(rank, world_size):
                    "o_proj.weight": _gathered(mixer.o_proj.weight.grad, tg, 1),
                    "conv1d.weight": torch.cat([_gathered(getattr(mixer, c).grad, tg, 0)
                                                for c in ("conv_q", "conv_k", "conv_v")])}
-            errs = {"out": rel(y.transpose(0, 1).detach(), y_ref.detach()), "x.grad": rel(xm.grad.transpose(0, 1), x.grad)}
+            errs = {"out": rel(y.transpose(0, 1).detach(), y_ref.detach()),
+                    "x.grad": rel(xm.grad.transpose(0, 1), x.grad)}
             for name, g in got.items():
                 want = conv_g if name == "conv1d.weight" else ref_grads[name]
                 errs[name] = rel(g, want)

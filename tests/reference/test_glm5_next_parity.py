@@ -78,10 +78,9 @@ def _hf_model(hf, cfg, seed):
 
 
 def _worker(rank, world_size):
-    from hf_reference import LiftFloat32ToFloat64
+    from hf_reference import LiftFloat32ToFloat64, hf_grads, recorded_topk_gaps
     from test_glm_parity import build_glm
 
-    import longstraw_mcore.ops.dsa as D
     from longstraw_mcore.checkpoint.full_state import gather_full, load_full
     from longstraw_mcore.checkpoint.glm5_next import from_transformers_state, hf_to_mcore, skipped_names
     from longstraw_mcore.families.glm5_next import build_model
@@ -95,31 +94,14 @@ def _worker(rank, world_size):
         state = from_transformers_state(ref_model.state_dict())
         tensors, skipped = hf_to_mcore(state, m), skipped_names(state, m)
         load_full(model, tensors)
-        gaps = []
-        orig = D.select_topk
-
-        def recording(scores, k, orig=orig):
-            top = torch.sort(scores, -1, descending=True).values
-            many = (scores > float("-inf")).sum(-1) > k
-            if many.any():
-                gaps.append(float((top[..., k - 1] - top[..., k])[many].min()))
-            return orig(scores, k)
-
-        D.select_topk = recording
         ids = torch.randint(0, m.vocab_size, (2, seq), generator=torch.Generator().manual_seed(seed + 9))
-        try:
-            with LiftFloat32ToFloat64():
-                ref = ref_model(input_ids=ids).logits
-                got = model(ids)[..., :m.vocab_size]
-        finally:
-            D.select_topk = orig
+        with recorded_topk_gaps() as gaps, LiftFloat32ToFloat64():
+            ref = ref_model(input_ids=ids).logits
+            got = model(ids)[..., :m.vocab_size]
         gy = torch.randn(ref.shape, dtype=D64, generator=torch.Generator().manual_seed(seed + 1))
         (ref * gy).sum().backward()
         (got * gy).sum().backward()
-        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in ref_model.named_parameters()}
-        grads.update({n: torch.zeros_like(b) for n, b in ref_model.named_buffers()
-                      if n.endswith("e_score_correction_bias")})
-        want = hf_to_mcore(from_transformers_state(grads), m)
+        want = hf_to_mcore(from_transformers_state(hf_grads(ref_model)), m)
         own = gather_full(model, grads=True)
         errs = {"logits": rel(got.detach(), ref.detach())}
         for n, g in want.items():

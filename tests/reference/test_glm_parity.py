@@ -86,9 +86,8 @@ def build_glm(m, tp: int = 1, ep: int = 1, build=None):
 
 
 def _worker(rank, world_size):
-    from hf_reference import LiftFloat32ToFloat64
+    from hf_reference import LiftFloat32ToFloat64, hf_grads, recorded_topk_gaps
 
-    import longstraw_mcore.ops.dsa as D
     from longstraw_mcore.checkpoint.full_state import gather_full, load_full
     from longstraw_mcore.checkpoint.glm_dsa import from_transformers_state, hf_to_mcore, skipped_names
 
@@ -102,30 +101,14 @@ def _worker(rank, world_size):
         state["model.layers.4.eh_proj.weight"] = torch.zeros(1)  # an MTP tensor: skipped, counted
         tensors, skipped = hf_to_mcore(from_transformers_state(state), m), skipped_names(state, m)
         load_full(model, tensors)
-        gaps = []
-        orig = D.select_topk
-
-        def recording(scores, k, orig=orig):
-            top = torch.sort(scores, -1, descending=True).values
-            many = (scores > float("-inf")).sum(-1) > k
-            if many.any():
-                gaps.append(float((top[..., k - 1] - top[..., k])[many].min()))
-            return orig(scores, k)
-
-        D.select_topk = recording
         ids = torch.randint(0, m.vocab_size, (2, seq), generator=torch.Generator().manual_seed(seed + 9))
-        try:
-            with LiftFloat32ToFloat64():
-                ref = hf(ids).logits
-                got = model(ids)[..., :m.vocab_size]
-        finally:
-            D.select_topk = orig
+        with recorded_topk_gaps() as gaps, LiftFloat32ToFloat64():
+            ref = hf(ids).logits
+            got = model(ids)[..., :m.vocab_size]
         gy = torch.randn(ref.shape, dtype=D64, generator=torch.Generator().manual_seed(seed + 1))
         (ref * gy).sum().backward()
         (got * gy).sum().backward()
-        hf_grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in hf.named_parameters()}
-        hf_grads.update({n: torch.zeros_like(b) for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")})
-        want = hf_to_mcore(from_transformers_state(hf_grads), m)
+        want = hf_to_mcore(from_transformers_state(hf_grads(hf)), m)
         own = gather_full(model, grads=True)
         errs = {"logits": rel(got.detach(), ref.detach())}
         for n, g in want.items():

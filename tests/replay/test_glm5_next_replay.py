@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def _worker(rank, world_size):
-    from hf_reference import LiftFloat32ToFloat64
+    from hf_reference import LiftFloat32ToFloat64, hf_grads
     from test_detached_vs_hf_cache import hf_cache_reference
     from test_glm5_next_parity import _configs, _hf_model
     from test_glm_parity import build_glm
@@ -69,9 +69,7 @@ def _worker(rank, world_size):
         fn = group_loss_fn(group, gcfg, advantages(group.rewards, gcfg))
         hf.zero_grad(set_to_none=True)
         ref_lp = hf_cache_reference(hf, group, fn, LiftFloat32ToFloat64)
-        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in hf.named_parameters()}
-        grads.update({n: torch.zeros_like(b) for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")})
-        ref_g = hf_to_mcore(from_transformers_state(grads), m)
+        ref_g = hf_to_mcore(from_transformers_state(hf_grads(hf)), m)
         model.zero_grad(set_to_none=True)
         res, _ = run_group(model, group.prompt, group.responses, fn, ReplayConfig(mode="detached", chunk_len=5))
         g = gather_full(model, grads=True)

@@ -51,7 +51,8 @@ def glm5_next_model():
     from longstraw_mcore.checkpoint import glm5_next
 
     hf_mod, cfg, m = P._configs(4)
-    return "glm5", m, glm5_next.hf_to_mcore(glm5_next.from_transformers_state(P._hf_model(hf_mod, cfg, 5).state_dict()), m)
+    state = glm5_next.from_transformers_state(P._hf_model(hf_mod, cfg, 5).state_dict())
+    return "glm5", m, glm5_next.hf_to_mcore(state, m)
 
 
 def _build(m, ddp: bool = True, **layout):

@@ -277,3 +277,26 @@ def test_replay_terms_follow_the_token_budget():
         steps = tree.tree_steps(root, [len(r) for r in responses], budget)
         assert tree_passes(widths, lengths, budget) == sum(s.phase in ("segment", "replay") for s in steps), budget
     assert [tree_passes(widths, lengths, b) for b in (0, 20, 40)] == [7 + 16, 7 + 8, 7 + 4]  # 7 segments
+
+
+def test_glm_5_3_flash_config_file_holds_transformers_dimensions(tmp_path):
+    """configs/glm5.3-flash.yaml == glm_5_3_flash(), whose architecture is transformers 5.23's Glm5NextConfig
+    defaults (its docstring names zai-org/GLM-5.3-Flash) read through the checkpoint reader as a config.json; the tiny
+    config keeps the layer pattern (every 4th layer MLA, 3 dense layers then MoE) and the 4 streams."""
+    import dataclasses
+
+    from longstraw_mcore.bench.hf_kernels import glm5_next_modeling
+    from longstraw_mcore.checkpoint.glm5_next import read_config
+    from longstraw_mcore.config import glm_5_3_flash
+
+    hf = glm5_next_modeling(fla=False)
+    cfg = hf.Glm5NextConfig()
+    cfg.architectures = ["Glm5NextForConditionalGeneration"]
+    cfg.save_pretrained(tmp_path)
+    m, _ = read_config(tmp_path)
+    assert m.architecture() == glm_5_3_flash().architecture()
+    assert dataclasses.asdict(_cfg("configs/glm5.3-flash.yaml").model) == dataclasses.asdict(glm_5_3_flash())
+    tiny, real = _cfg("configs/glm5.3-flash-tiny.yaml").model, glm_5_3_flash()
+    n = tiny.num_layers
+    assert tiny.mixer_types == real.mixer_types[:n] and tiny.mlp_layer_types == real.mlp_layer_types[:n]
+    assert tiny.hc_mult == real.hc_mult == 4 and tiny.layer_types.count("mla_dsa_full") == n // 4

@@ -115,7 +115,8 @@ def _worker(rank, world_size, tp):
     for dtype, T in GLM5_CASES if tp == 1 else []:  # KDA + dense, MLA full + MoE, MLA shared + MoE; 4 streams
         import dataclasses
 
-        cfg = load_config(os.path.join(root, "configs", "glm5.3-flash-tiny.yaml"), [f"model.dtype={dtype}", "device=cpu"])
+        cfg = load_config(os.path.join(root, "configs", "glm5.3-flash-tiny.yaml"),
+                          [f"model.dtype={dtype}", "device=cpu"])
         m = dataclasses.replace(cfg.model, num_layers=4, mixer_types=["linear_attention", "indexed_attention",
                                                                       "indexed_attention", "linear_attention"],
                                 indexer_types=["full", "full", "shared", "full"],

@@ -71,7 +71,8 @@ class KDAMixer(MegatronModule):
         self.f_a_proj, self.f_b_proj = col(Hd, K, True), col(K, D)
         self.b_proj = col(Hd, m.linear_num_heads)
         self.g_a_proj, self.g_b_proj = col(Hd, K, True), col(K, D)
-        seed, tag, std, dtype = torch.initial_seed(), f"layer{layer_number}", config.init_method_std, config.params_dtype
+        seed, tag = torch.initial_seed(), f"layer{layer_number}"
+        std, dtype = config.init_method_std, config.params_dtype
         shard = partial(full_then_shard, tp_rank=r, tp_size=tp, dtype=dtype, seed=seed)
 
         def normal(t, g):
