@@ -8,8 +8,8 @@ only: the bare names gate_proj / up_proj / down_proj also name the vision tower'
 The tiny model of tests/reference/test_glm5_next_parity.py (KDA / MLA full / MLA shared / KDA, 4 streams, sparse
 top-k pools of 4, a 1-block vision tower). Exact mode against full sequences with autograd, detached against
 transformers' cache, adapter.prompt=frozen against the cache built with the adapter off; log-probs and every
-adapter gradient <= 1e-10 at one rank; at 2 ranks TP=2 (a KDA head per rank), CP=2 (KDA by heads), EP=2 x DP=2
-and PP=2 (stages [1, 3]); at 4 ranks TP=2 x CP=2 (KDA by sequence pieces), through Megatron DDP over the adapters.
+adapter gradient <= 1e-10 at one rank; at 2 ranks EP=2 x DP=2 and PP=2 (stages [1, 3]); at 4 ranks TP=2 x CP=2 (a
+KDA head per TP rank, KDA by sequence pieces), through Megatron DDP over the adapters.
 QLoRA (nf4, fp8) at one rank: every site's projection quantized, equal to the dense dequantized base.
 Also: the sites are exactly transformers' language-model projections (the indexer's aside) and each Megatron
 module they name exists; an adapter directory written here loads into `peft` on the VLM with no adapter in the
@@ -31,7 +31,8 @@ from longstraw_mcore.launch_local import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "reference"))
 
-LAYOUTS = {1: [dict()], 2: [dict(tp=2), dict(cp=2), dict(ep=2), dict(pp=2, pp_layers=[1, 3])], 4: [dict(tp=2, cp=2)]}
+# (TP and CP together at 4 ranks; at 2 the expert and the pipeline split: CI time)
+LAYOUTS = {1: [dict()], 2: [dict(ep=2), dict(pp=2, pp_layers=[1, 3])], 4: [dict(tp=2, cp=2)]}
 R, ALPHA = 2, 8.0  # rank 2: b_proj has as many outputs as KDA heads (2), the smallest target
 CHUNK = 5
 LM = "model.language_model."
@@ -243,7 +244,7 @@ def test_glm5_next_lora_one_rank_equals_peft():
         assert r["moved"] > 1e-4 and r["logp"] <= 1e-12 and r["grad"][0] <= 1e-10, r
 
 
-def test_glm5_next_lora_tp2_cp2_ep2_pp2_equal_peft():
+def test_glm5_next_lora_ep2_pp2_equal_peft():
     check_layouts(run_ranks(_worker, 2, timeout_s=900)[0], "GLM-5.3 ")
 
 
