@@ -126,6 +126,11 @@ class Glm5NextConfig(ModelBase):
                 for t, s in zip(self.mixer_types, self.indexer_types)]
 
     @property
+    def residual_streams(self) -> int:
+        """The hyper-connection streams: the residual is hc_mult x hidden_size wide (ModelBase.residual_streams)."""
+        return self.hc_mult
+
+    @property
     def mlp_types(self) -> list[str]:
         """Per layer: "dense" or "moe" (GlmDsaConfig's words for transformers' dense / sparse)."""
         return ["moe" if t == "sparse" else "dense" for t in self.mlp_layer_types]

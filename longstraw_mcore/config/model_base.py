@@ -26,9 +26,9 @@ class ModelBase:
 
     @property
     def residual_streams(self) -> int:
-        """Residual streams per position (GLM-5.3-Flash's hyper-connections: hc_mult); the residual between
-        layers and pipeline stages is that many times the hidden size wide."""
-        return getattr(self, "hc_mult", 1)
+        """Residual streams per position (a family with hyper-connections overrides it: Glm5NextConfig); the
+        residual between layers and pipeline stages is that many times the hidden size wide."""
+        return 1
 
     def padded_vocab_size(self, tp: int) -> int:
         """Megatron's rule: the smallest multiple of make_vocab_size_divisible_by * tp >= vocab_size."""

@@ -128,11 +128,7 @@ def pooled_selection(q: torch.Tensor, weights: torch.Tensor, q_pos: torch.Tensor
                      block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """One call whose keys are its own tokens from position 0 (k, g [B, S, Di]): `pool_keys`, `pooled_topk` of
     index_topk // kpool pools, `expand_selection` -> (positions, valid) [B, T, n' kpool + kpool - 1]."""
-    if index_topk < kpool or index_topk % kpool:
-        raise ValueError(f"index_topk={index_topk} is not a positive multiple of index_kpool={kpool}")
-    pooled, ends = pool_keys(k, g, ape, kpool)
-    rows, valid = pooled_topk(q, weights, q_pos, pooled, ends, index_topk // kpool, block)
-    return expand_selection(rows, valid, ends, kpool, q_pos)
+    return pooled_positions(q, weights, q_pos, pool_keys(k, g, ape, kpool), kpool, index_topk, block)
 
 
 @torch.no_grad()
