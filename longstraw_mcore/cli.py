@@ -29,6 +29,7 @@ Slurm job) to continue; anything else: a crash.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 EXIT_BAD_INPUT = 2
@@ -201,9 +202,79 @@ def quiet_expected_warnings() -> None:
     logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(_NotAsyncDeprecation())
 
 
+def _console_gone(e: BaseException) -> bool:
+    """Whether a write failed because the reader is gone for good (a closed pipe or terminal), not for a
+    moment (EAGAIN) nor for what was written (an encoding error)."""
+    if isinstance(e, (BrokenPipeError, ConnectionResetError)):
+        return True
+    if isinstance(e, OSError):
+        import errno
+
+        return e.errno in (errno.EIO, errno.ENXIO, errno.EBADF)
+    return isinstance(e, ValueError) and not isinstance(e, UnicodeError) and "closed file" in str(e)
+
+
+class Console:
+    """A console stream whose reader's end does not end the run: a write or flush that fails because the pipe or
+    terminal behind it is gone (`| head` under a launcher that lets ranks write to it directly, a closed
+    terminal under nohup) silences the stream for the rest of the process, its file descriptor pointed at
+    /dev/null so that the interpreter's own flush at exit fails neither. Any other error is raised as before.
+    What the run writes to files (checkpoints, metrics, receipts) is unaffected. (A rank whose launcher dies
+    is ended by the launcher's death signal, not by its console: launcher.die_with_launcher.)"""
+
+    def __init__(self, stream):
+        self.stream, self.lost = stream, False
+
+    def _gone(self) -> None:
+        self.lost = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def write(self, text: str) -> int:
+        if not self.lost:
+            try:
+                return self.stream.write(text)
+            except (OSError, ValueError) as e:
+                if not _console_gone(e):
+                    raise
+                self._gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.lost:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError) as e:
+                if not _console_gone(e):
+                    raise
+                self._gone()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def tolerant_console() -> None:
+    """stdout and stderr as `Console`s (once per process): the console is optional."""
+    for name in ("stdout", "stderr"):
+        if not isinstance(getattr(sys, name), Console):
+            setattr(sys, name, Console(getattr(sys, name)))
+
+
 def main(argv=None) -> int:
+    import faulthandler
     import importlib
 
+    from longstraw_mcore.launcher import die_with_launcher
+
+    die_with_launcher()
+    tolerant_console()
+    # a rank killed inside native code (an abort in gloo's threads, a segfault) leaves the Python stack of
+    # every thread on its stderr, so the run's output says where; the launcher names the rank and the signal
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
     quiet_expected_warnings()
     args = parse(build_parser(), argv)
     from longstraw_mcore.checkpoint.common import CheckpointError
@@ -272,8 +343,6 @@ def collective_timeout(e: BaseException, beating: bool = False) -> str:
     """One line for a collective that did not complete in time (gloo raises it; NCCL's watchdog aborts the
     process with its own line naming the operation): this rank, the timeout, and where the collective was
     called (the innermost frames in Megatron and in this package)."""
-    import os
-
     limit = os.environ.get("LONGSTRAW_DIST_TIMEOUT_S", "the default")
     return (f"rank {os.environ.get('RANK', '0')}: a collective did not complete within {limit} s "
             f"(LONGSTRAW_DIST_TIMEOUT_S) in {_where(e)}: "
@@ -284,7 +353,6 @@ def collective_timeout(e: BaseException, beating: bool = False) -> str:
 
 def _where(e: BaseException) -> str:
     """Where the failed collective was called: the innermost frames in Megatron and in this package."""
-    import os
     import traceback
 
     frames = traceback.extract_tb(e.__traceback__)

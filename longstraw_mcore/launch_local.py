@@ -45,32 +45,58 @@ class RankFailure(RuntimeError):
     """A spawned rank raised; the message carries its traceback."""
 
 
-def free_port() -> int:
-    """A loopback TCP port free now, for a launch's rendezvous: the kernel's pick or, with
-    LONGSTRAW_PORTS=LO-HI set, one in that range (tests/conftest.py gives each pytest worker its own range
-    below the kernel's ephemeral ports, so concurrent workers' launches never pick each other's)."""
+def _choose_port(hold: bool) -> socket.socket:
+    """A loopback socket bound to a port free now: the kernel's pick or, with LONGSTRAW_PORTS=LO-HI set, one in
+    that range. Bound without SO_REUSEADDR, so a port that anything holds is never chosen; with `hold`, the
+    flag is set afterwards (reserve_port)."""
     span = os.environ.get("LONGSTRAW_PORTS")
     if not span:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    import random
+        tries = [0]
+    else:
+        import random
 
-    try:
-        lo, hi = (int(x) for x in span.split("-"))
-    except ValueError:
-        lo = hi = 0
-    if not 1024 <= lo <= hi <= 65535:
-        raise ValueError(f"LONGSTRAW_PORTS={span!r}: a range LO-HI of TCP ports, 1024 <= LO <= HI <= 65535")
-    tries = random.sample(range(lo, hi + 1), min(64, hi - lo + 1))
+        try:
+            lo, hi = (int(x) for x in span.split("-"))
+        except ValueError:
+            lo = hi = 0
+        if not 1024 <= lo <= hi <= 65535:
+            raise ValueError(f"LONGSTRAW_PORTS={span!r}: a range LO-HI of TCP ports, 1024 <= LO <= HI <= 65535")
+        tries = random.sample(range(lo, hi + 1), min(64, hi - lo + 1))
     for port in tries:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            s.close()
+            continue
+        if hold:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        return s
     raise OSError(f"LONGSTRAW_PORTS={span}: no free port among the {len(tries)} tried")
+
+
+def free_port() -> int:
+    """A loopback TCP port free now, for a rendezvous in this process (bound a moment later): the kernel's
+    pick or, with LONGSTRAW_PORTS=LO-HI set, one in that range (tests/conftest.py gives each pytest worker its
+    own range below the kernel's ephemeral ports, so concurrent workers' launches never pick each other's).
+    For a store that another process will serve, `reserve_port`."""
+    s = _choose_port(hold=False)
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def reserve_port() -> socket.socket:
+    """A port for a rendezvous store that another process (rank 0) will serve, chosen as `free_port` chooses
+    and held until the caller closes the returned socket (`.getsockname()[1]` is the port). Between a launch
+    choosing its port and rank 0 binding it lie rank 0's imports: seconds, minutes on a loaded machine, time
+    in which another launch or the kernel's choice of a local port for an outgoing connection (gloo's mesh
+    makes hundreds) could take a port that was only free. The held socket never listens and carries
+    SO_REUSEADDR, so the store (libuv's and torch's own server bind with it) binds beside it, while a plain
+    bind (this project's choice of a port, in another launch) is refused and the kernel picks no port that a
+    socket is bound to for an outgoing connection. (A program that binds a port it was told, with
+    SO_REUSEADDR, could still bind beside it: a given port is the user's to keep apart.)"""
+    return _choose_port(hold=True)
 
 
 def _child(fn, rank: int, world_size: int, port: int, args: Sequence[Any], out: "mp.Queue",
@@ -103,9 +129,8 @@ def _child(fn, rank: int, world_size: int, port: int, args: Sequence[Any], out: 
 
 
 def _kill(procs) -> None:
+    procs = [p for p in procs if p.pid is not None]  # (not started)
     for p in procs:
-        if p.pid is None:
-            continue
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -125,15 +150,16 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the fork server starts (first call)
     out = ctx.Queue()
-    port = free_port()
+    held = reserve_port()  # (until every rank is gone: rank 0 binds it after the fork)
+    port = held.getsockname()[1]
     environ = dict(os.environ)
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, out, environ), daemon=False)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:
+        for p in procs:
+            p.start()
         while len(results) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -157,4 +183,5 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             for p in procs:
                 p.join(30)
             _kill([p for p in procs if p.is_alive()])
+        held.close()
     return [results[r] for r in range(world_size)]

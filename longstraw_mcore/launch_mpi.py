@@ -17,6 +17,9 @@ import os
 import socket
 import sys
 
+_held = None
+"""Rank 0's hold on the rendezvous port (launch_local.reserve_port) until its store binds it."""
+
 
 def torch_env(rank: int, world_size: int, local_rank: int, local_world_size: int, hosts: list[str],
               port: int, environ: dict[str, str]) -> dict[str, str]:
@@ -42,9 +45,11 @@ def _mpi_env() -> dict[str, str]:
     hosts = world.allgather(socket.gethostname())
     port = 0
     if world.Get_rank() == 0:
-        from longstraw_mcore.launch_local import free_port
+        from longstraw_mcore.launch_local import reserve_port
 
-        port = free_port()
+        global _held
+        _held = reserve_port()  # (for this process's life: its own store binds beside it, after its imports)
+        port = _held.getsockname()[1]
     port = world.bcast(port, root=0)
     env = torch_env(world.Get_rank(), world.Get_size(), local.Get_rank(), local.Get_size(), hosts, port,
                     dict(os.environ))

@@ -8,9 +8,10 @@ Each rank is `python -m longstraw_mcore SUBCOMMAND ARGS...` with torch.distribut
 init_process_group's env:// rendezvous at node 0). What torchrun did for this project, without its
 elastic agent, because of what a real Slurm showed (docs/cluster.md):
 - signals: SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 sent to the launcher go to every rank once (the
-  ranks run in their own session, so a terminal's Ctrl-C reaches them only this way); `train` stops at
-  its next safe point on SIGTERM / SIGUSR1 (train/stop.py). torchrun's agent dies of SIGUSR1 and
-  kills the ranks 30 s after a SIGTERM whatever they are doing;
+  ranks run in their own session, so a terminal's Ctrl-C reaches them only this way); a launcher that
+  dies (SIGKILL, a crash) leaves no rank running: each gets SIGTERM from the kernel (`die_with_launcher`);
+  `train` stops at its next safe point on SIGTERM / SIGUSR1 (train/stop.py). torchrun's agent dies of
+  SIGUSR1 and kills the ranks 30 s after a SIGTERM whatever they are doing;
 - exit status: the ranks' own. 0 when every rank exits 0; otherwise the status of the first rank that
   failed (2: bad input, 3: diverged, 4: a collective timed out, 5: a peer lost, 75: stopped on a signal
   with a checkpoint; a rank killed by signal
@@ -20,8 +21,10 @@ elastic agent, because of what a real Slurm showed (docs/cluster.md):
 - output: every line of a multi-rank run is prefixed with its global rank (`[rank 5] ...`) on the
   console, and with --log-dir also written unprefixed to DIR/node<R>/rank<global>.log (node R: this
   launcher's --node-rank, the one the ranks' global numbers come from).
-The master port, when not given: free on this host for one node; a cluster launch passes the one it
-derived from the job id (cluster.py), so two jobs on one node do not meet.
+The master port, when not given: free on this host for one node, and held by the launcher until the ranks end
+(launch_local.reserve_port: neither another launch's choice nor an outgoing connection takes it before rank
+0's store binds it); a cluster launch passes the one it derived from the job id (cluster.py), so two jobs on
+one node do not meet.
 """
 
 from __future__ import annotations
@@ -44,19 +47,62 @@ def rank_env(env: dict, nproc: int, nnodes: int, node_rank: int, local: int, add
                 LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node_rank), MASTER_ADDR=addr, MASTER_PORT=str(port))
 
 
+LAUNCHER_PID = "LONGSTRAW_LAUNCHER_PID"
+"""Set in each rank's environment: the launcher's pid, for `die_with_launcher`."""
+
+
+def die_with_launcher() -> None:
+    """In a rank this launcher started (cli.main calls it): the kernel sends it SIGTERM when the launcher dies
+    (Linux's PR_SET_PDEATHSIG), so a rank left alone stops as on a scheduler's SIGTERM (train: at its next safe
+    point, with a checkpoint) rather than running on unheard in its own session. The variable is taken out of
+    the environment, so the rank's own children never act on it. Elsewhere (no launcher, not Linux): nothing."""
+    pid = os.environ.pop(LAUNCHER_PID, None)
+    if not pid or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(pid):  # it died before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _pump(stream, out, prefix: str, log, lock: threading.Lock) -> None:
+    """A rank's lines to the console (prefixed) and its log. A destination that fails (the console's reader
+    gone, the log's disk full) is dropped, and the pipe is still drained: a rank never blocks on a full pipe
+    because the launcher's own output failed."""
+    sinks = [(out, prefix), (log, "")] if log is not None else [(out, prefix)]
     for line in iter(stream.readline, ""):
         with lock:
-            out.write(prefix + line)
-            out.flush()
-            if log is not None:
-                log.write(line)
-                log.flush()
+            for i, (dest, pre) in enumerate(sinks):
+                if dest is None:
+                    continue
+                try:
+                    dest.write(pre + line)
+                    dest.flush()
+                except (OSError, ValueError):
+                    sinks[i] = (None, pre)
     stream.close()
 
 
 def _status(code: int) -> int:
     return 128 - code if code < 0 else code  # Popen: -S for a rank killed by signal S
+
+
+def _ended(rank: int, status: int) -> str:
+    """"rank 1 exited with status 1", or for a signal "rank 1 was killed by SIGABRT (status 134: inside native
+    code; the Python stack of each of its threads is in its output)" (cli.py enables faulthandler)."""
+    if status > 128:
+        try:
+            name = signal.Signals(status - 128).name
+        except ValueError:
+            name = f"signal {status - 128}"
+        native = status - 128 in (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
+        return (f"rank {rank} was killed by {name} (status {status}" + (": inside native code; the Python stack "
+                "of each of its threads is in its output" if native else "") + ")")
+    return f"rank {rank} exited with status {status}"
 
 
 class Ranks:
@@ -73,7 +119,8 @@ class Ranks:
             node_dir.mkdir(parents=True, exist_ok=True)
         for local in range(nproc):
             rank = node_rank * nproc + local
-            env = rank_env(dict(os.environ, PYTHONUNBUFFERED="1"), nproc, nnodes, node_rank, local, addr, port)
+            env = rank_env(dict(os.environ, PYTHONUNBUFFERED="1", **{LAUNCHER_PID: str(os.getpid())}), nproc, nnodes,
+                           node_rank, local, addr, port)
             p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1,
                                  start_new_session=True)
@@ -107,8 +154,7 @@ class Ranks:
                 break
             now = time.monotonic()
             if failed_at is not None and termed_at is None and now - failed_at > grace_s:
-                self._say(f"rank {first[0]} exited with status {first[1]}; ranks {alive} still run after "
-                          f"{grace_s:.0f} s: terminating them")
+                self._say(f"{_ended(*first)}; ranks {alive} still run after {grace_s:.0f} s: terminating them")
                 self.send(signal.SIGTERM)
                 termed_at = now
             if termed_at is not None and now - termed_at > 10:
@@ -122,13 +168,16 @@ class Ranks:
         if first is None:
             return 0
         if len(self.procs) > 1 and first[1] not in (2, 3, 4, 5, 75):  # the known ones said why on rank 0 already
-            self._say(f"rank {first[0]} exited with status {first[1]} (its output above"
+            self._say(f"{_ended(*first)} (its output above"
                       + (", and its log file" if self.logs[0] is not None else "") + ")")
         return first[1]
 
     def _say(self, msg: str) -> None:
         with self.lock:
-            print(f"[launch] {msg}", file=sys.stderr, flush=True)
+            try:
+                print(f"[launch] {msg}", file=sys.stderr, flush=True)
+            except (OSError, ValueError):  # (no console left to tell: the ranks' statuses still come out)
+                pass
 
 
 def main(argv=None) -> int:
@@ -163,14 +212,21 @@ def main(argv=None) -> int:
     if a.master_port is None and a.nnodes > 1:
         print("error: --master-port is needed with --nnodes > 1 (every node must use the same one)", file=sys.stderr)
         return 2
-    from longstraw_mcore.launch_local import free_port
+    held = None
+    if a.master_port is None:  # (held until the ranks end: rank 0's store binds beside it; launch_local.py)
+        from longstraw_mcore.launch_local import reserve_port
 
-    port = a.master_port if a.master_port is not None else free_port()
-    ranks = Ranks([sys.executable, "-m", "longstraw_mcore", *entry], a.nproc, a.nnodes, a.node_rank, a.master_addr,
-                  port, a.log_dir)
-    for sig in FORWARDED:
-        signal.signal(sig, lambda s, f: ranks.send(s))
-    return ranks.wait(a.grace)
+        held = reserve_port()
+    port = a.master_port if held is None else held.getsockname()[1]
+    try:
+        ranks = Ranks([sys.executable, "-m", "longstraw_mcore", *entry], a.nproc, a.nnodes, a.node_rank,
+                      a.master_addr, port, a.log_dir)
+        for sig in FORWARDED:
+            signal.signal(sig, lambda s, f: ranks.send(s))
+        return ranks.wait(a.grace)
+    finally:
+        if held is not None:
+            held.close()
 
 
 if __name__ == "__main__":

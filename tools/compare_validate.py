@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Compare two `longstraw validate` outputs (e.g. the same run on CUDA and on CPU): loss, per-token
 log-probs, grad norm (receipt.json) and every dumped gradient (grads.safetensors), as relative
-differences; exit status 1 if any exceeds --tol.
+differences, and each receipt's grad norm against the norm of its own dumped gradients
+(`grad_norm_vs_dump_a`, `_b`); exit status 1 if any exceeds --tol.
 
   python tools/compare_validate.py DIR_A DIR_B [--tol 1e-10] [--tol-own T] [--json OUT]
 
@@ -42,7 +43,12 @@ def compare(a: Path, b: Path) -> dict:
         out["value_loss"] = rel(ra["value_loss"], rb["value_loss"])
     for prefix, file in (("", "grads.safetensors"), ("critic_", "critic_grads.safetensors")):
         if (a / file).is_file() and (b / file).is_file():
-            out.update({prefix + k: v for k, v in _grads(load_file(str(a / file)), load_file(str(b / file))).items()})
+            ga, gb = load_file(str(a / file)), load_file(str(b / file))
+            out.update({prefix + k: v for k, v in _grads(ga, gb).items()})
+            if not prefix:  # each receipt's reported norm against the norm of the gradients it dumped
+                for side, rec, g in (("a", ra, ga), ("b", rb, gb)):
+                    dumped = sum(float(t.double().pow(2).sum()) for t in g.values()) ** 0.5
+                    out[f"grad_norm_vs_dump_{side}"] = rel(rec["grad_norm"], dumped)
     return out
 
 

@@ -3,8 +3,9 @@
 A checkpoint directory holds Megatron's files plus `longstraw_model.json` (model config and the
 layout it was written from), so `mcore-to-hf` and `--load` need no other input. Checkpoints are
 layout-free: one saved at any (tp, pp) loads at any other. Saving writes into a temporary sibling
-and renames it into place on success; loading checks every key and shape against the model before
-reading, and fails with the tensor's name.
+and renames it into place on success; loading checks that the directory holds only data
+(checkpoint/no_pickle.py) and every key and shape against the model before reading, and fails with the
+file's or the tensor's name.
 
 Call sites that save must run under `if __name__ == "__main__":` (Megatron's writer spawns a
 process that re-imports `__main__`).
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from longstraw_mcore.checkpoint.full_state import expected_keys
 from longstraw_mcore.checkpoint.common import CheckpointError
+from longstraw_mcore.checkpoint.no_pickle import check_dcp, one_line_errors
 from longstraw_mcore.config import ModelConfig, model_config_from_dict
 
 CONFIG_FILE = "longstraw_model.json"
@@ -115,10 +117,12 @@ def load_full_tensors(directory: str | Path) -> dict:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    stored = dist_checkpointing.load_tensors_metadata(str(directory))
-    request = {k: ShardedTensor.from_rank_offsets(k, torch.empty(tuple(v.global_shape), dtype=v.dtype), replica_id=0)
-               for k, v in stored.items()}
-    return dict(dist_checkpointing.load(request, str(directory)))
+    check_dcp(directory)
+    with one_line_errors(directory):
+        stored = dist_checkpointing.load_tensors_metadata(str(directory))
+        request = {k: ShardedTensor.from_rank_offsets(k, torch.empty(tuple(v.global_shape), dtype=v.dtype),
+                                                      replica_id=0) for k, v in stored.items()}
+        return dict(dist_checkpointing.load(request, str(directory)))
 
 
 def read_checkpoint_meta(directory: str | Path) -> tuple[ModelConfig, dict]:
@@ -137,7 +141,9 @@ def check_against_model(model, directory: str | Path) -> None:
     tensors: any padding that holds the true vocabulary; Megatron loads them with allow_shape_mismatch)."""
     from megatron.core import dist_checkpointing
 
-    stored = dist_checkpointing.load_tensors_metadata(str(directory))
+    check_dcp(directory)  # (before Megatron unpickles anything of it: checkpoint/no_pickle.py)
+    with one_line_errors(directory):
+        stored = dist_checkpointing.load_tensors_metadata(str(directory))
     for key, (shape, true_rows) in expected_keys(model, with_true_rows=True).items():
         if key not in stored:
             raise CheckpointError(f"{directory}: checkpoint has no tensor {key!r}")
@@ -156,8 +162,9 @@ def load_checkpoint(model, directory: str | Path) -> None:
     check_against_model(model, directory)
     # Layer `_extra_state` objects (Transformer Engine metadata; empty for the plain-torch layers) are
     # absent from checkpoints written from full tensors: skip those, refuse anything else missing.
-    state, missing_ckpt, _ = dist_checkpointing.load(model.sharded_state_dict(), str(directory),
-                                                     strict=StrictHandling.RETURN_ALL)
+    with one_line_errors(directory):
+        state, missing_ckpt, _ = dist_checkpointing.load(model.sharded_state_dict(), str(directory),
+                                                         strict=StrictHandling.RETURN_ALL)
     real = sorted(k for k in missing_ckpt if "_extra_state" not in k)
     if real:
         raise CheckpointError(f"{directory}: checkpoint lacks {real[:5]}")

@@ -18,6 +18,40 @@ def rank0_print(msg: str) -> None:
         print(msg, flush=True)
 
 
+class MetricsFile:
+    """`--metrics-out`: one JSON line appended per record (rank 0 makes one; elsewhere None). Optional output:
+    a record that cannot be written (disk full, a file system gone away) is counted, said once on stderr, and
+    the run goes on; the next record written carries `metrics_write_failures`, the count so far."""
+
+    def __init__(self, path: str):
+        from pathlib import Path
+
+        self.path, self.failures = Path(path), 0
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # (bad input: fails at start, before any work)
+
+    def append(self, record: dict) -> None:
+        import json
+        import sys
+
+        if self.failures:
+            record = {**record, "metrics_write_failures": self.failures}
+        size = None
+        try:
+            with open(self.path, "a") as f:
+                size = f.tell()
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            if size is not None:  # (a record cut short by a full disk is taken back: every line stays JSON)
+                try:
+                    os.truncate(self.path, size)
+                except OSError:
+                    pass
+            self.failures += 1
+            if self.failures == 1:
+                print(f"warning: {self.path}: a metrics record was not written ({e.strerror or e}); the run goes "
+                      "on, counting such records (metrics_write_failures)", file=sys.stderr, flush=True)
+
+
 def launch_world_size() -> int:
     """The world size of this launch, known before any process group: torchrun's (or an existing
     group's), or 1 for a plain one-process launch."""

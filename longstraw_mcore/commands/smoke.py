@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import time
 
-from longstraw_mcore.commands.common import build_and_load, launch_world_size, load_run_config, rank0_print
+from longstraw_mcore.commands.common import MetricsFile, build_and_load, launch_world_size, load_run_config, rank0_print
 from longstraw_mcore.commands.preflight import check_run
 
 
 def run(args) -> int:
-    import json
     import math
 
     cfg = load_run_config(args)
@@ -49,10 +48,7 @@ def run(args) -> int:
     if micro > args.micro_batches:
         rank0_print(f"[smoke] parallel.vpp={cfg.parallel.vpp}: {micro} micro-batches per step (the fewest the "
                     "interleaved schedule takes)")
-    if args.metrics_out and par.rank == 0:
-        from pathlib import Path
-
-        Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
+    metrics = MetricsFile(args.metrics_out) if args.metrics_out and par.rank == 0 else None
     for step in range(1, args.steps + 1):
         ids = [torch.randint(0, m.vocab_size, (args.batch, args.seq_len + 1), generator=gen) for _ in range(micro)]
         targets = iter([x[:, 1:].to(par.device) for x in ids])  # (the schedule runs the last stage in order)
@@ -72,10 +68,9 @@ def run(args) -> int:
         rank0_print(f"[smoke] step {step}/{args.steps}: loss {loss:.4f} (ln V = {math.log(m.vocab_size):.4f}), grad "
                     f"norm {gn:.4f}, {tokens_per_step} tokens in {dt:.2f} s ({tokens_per_step / dt:,.0f} tokens/s "
                     f"fwd+bwd), peak {peak / 2**30:.2f} GiB/rank")
-        if args.metrics_out and par.rank == 0:
-            with open(args.metrics_out, "a") as f:
-                f.write(json.dumps({"step": step, "loss": loss, "grad_norm": gn, "micro_batches": micro,
-                                    "tokens": tokens_per_step, "seconds": dt, "tokens_per_s": tokens_per_step / dt,
-                                    "peak_bytes_rank0": peak}) + "\n")
+        if metrics is not None:
+            metrics.append({"step": step, "loss": loss, "grad_norm": gn, "micro_batches": micro,
+                            "tokens": tokens_per_step, "seconds": dt, "tokens_per_s": tokens_per_step / dt,
+                            "peak_bytes_rank0": peak})
     rank0_print("[smoke] done: forward + backward ran through Megatron's pipeline engine on every rank")
     return 0

@@ -8,8 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from longstraw_mcore.commands.common import (build_and_load, launch_world_size, load_run_config, rank0_print,
-                                             reference_model, resolve_adapter, trained_description)
+from longstraw_mcore.commands.common import (MetricsFile, build_and_load, launch_world_size, load_run_config,
+                                             rank0_print, reference_model, resolve_adapter, trained_description)
 from longstraw_mcore.commands.preflight import check_fits, check_groups, check_run, check_sampling, check_save_dir
 from longstraw_mcore.train.checkpoint_dirs import prune_steps, published_steps
 from longstraw_mcore.train.run_dir import job_id, release, same_job, try_lock, write_identity
@@ -176,8 +176,6 @@ def _loop(args, cfg, par, ddp, trainer, groups, online, source, stop) -> int:
                 f"mode {cfg.replay.mode}, objective {cfg.grpo.objective}, layout tp={par.tp} pp={par.pp} cp={par.cp} "
                 f"dp={par.dp}, "
                 f"steps {trainer.step + 1}..{args.steps}; trains {trained_description(cfg)}")
-    if args.metrics_out and par.rank == 0:
-        Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
     every = cfg.train.save_every
     evaluate = online and cfg.task.eval_prompts > 0 and cfg.task.eval_every > 0 and \
         getattr(source, "heldout", True) is not None
@@ -252,6 +250,7 @@ class _Log:
 
         self.args, self.on, self.steps = args, par.rank == 0, args.steps
         self.t0, self.first = time.perf_counter(), first_step
+        self.metrics = MetricsFile(args.metrics_out) if self.on and args.metrics_out else None
         self.tb = _tensorboard_writer(args.tensorboard) if self.on and getattr(args, "tensorboard", None) else None
 
     def __call__(self, m: dict) -> None:
@@ -259,14 +258,18 @@ class _Log:
 
         if not self.on:
             return
-        if self.args.metrics_out:
-            with open(self.args.metrics_out, "a") as f:
-                f.write(json.dumps(m) + "\n")
+        if self.metrics is not None:
+            self.metrics.append(m)
         if self.tb is not None:
-            for k, v in m.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
-                    self.tb.add_scalar(k, v, m["step"])
-            self.tb.flush()
+            try:
+                for k, v in m.items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                        self.tb.add_scalar(k, v, m["step"])
+                self.tb.flush()
+            except Exception as e:  # noqa: BLE001 - optional output: the run goes on without it
+                print(f"warning: --tensorboard {self.args.tensorboard}: {type(e).__name__}: {e}; TensorBoard "
+                      "output stops here, the run goes on (metrics.jsonl has every step)", file=sys.stderr, flush=True)
+                self.tb = None
         done = m["step"] - self.first
         eta = (time.perf_counter() - self.t0) / done * (self.steps - m["step"]) if done > 0 and "loss" in m else None
         print("[train] " + _line(m, self.steps, eta), flush=True)

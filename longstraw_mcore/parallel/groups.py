@@ -18,7 +18,7 @@ import torch.distributed as dist
 from longstraw_mcore import cpu_compat
 from longstraw_mcore.config import RunConfig
 from longstraw_mcore.parallel.kv_group import new_kv_groups
-from longstraw_mcore.parallel.timeout import dist_timeout
+from longstraw_mcore.parallel.timeout import dist_timeout, rendezvous_timeout
 
 
 @dataclass
@@ -81,7 +81,9 @@ def init_distributed(device: str) -> None:
     dist.init_process_group(backend, timeout=dist_timeout())
     from longstraw_mcore.parallel import peers
 
-    peers.start()  # heartbeats: a failed collective can then name the node that went away (cli.py)
+    # heartbeats: a failed collective can then name the node that went away (cli.py); its connections wait
+    # as long as the rendezvous did, so a store slowed by many ranks or a loaded machine never fails the run
+    peers.start(rendezvous_timeout(backend))
 
 
 def setup_parallel(cfg: RunConfig) -> Parallel:

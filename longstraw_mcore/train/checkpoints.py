@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from longstraw_mcore.checkpoint.dist_ckpt import CONFIG_FILE, load_checkpoint, meta_dict, write_model_shards
 from longstraw_mcore.checkpoint.common import CheckpointError
+from longstraw_mcore.checkpoint.no_pickle import load_torch_file
 from longstraw_mcore.train.checkpoint_dirs import POINTS  # noqa: F401 - re-exported (the publication points)
 from longstraw_mcore.train.checkpoint_dirs import clean_unpublished, published_steps, step_dir, verify, write_manifest
 
@@ -140,7 +141,7 @@ def save_step(root: str | Path, step: int, model, torch_optimizers: list, model_
 def _load_optimizers(path: Path, torch_optimizers: list, load_extra) -> str | None:
     f = path / f"optimizer_rank{dist.get_rank():05d}.pt"
     try:
-        blob = torch.load(f, weights_only=False, map_location="cpu")
+        blob = load_torch_file(f)  # weights-only: tensors and plain data (checkpoint/no_pickle.py)
         with torch.no_grad():
             for o, sd in zip(torch_optimizers, blob["torch_optimizers"], strict=True):
                 o.load_state_dict(sd)

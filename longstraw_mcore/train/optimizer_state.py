@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from longstraw_mcore.checkpoint.no_pickle import check_dcp, one_line_errors
+
 OPTIMIZER_DIR = "optimizer"
 STATES = ("exp_avg", "exp_avg_sq")
 
@@ -200,7 +202,9 @@ def load(opt, model, directory: Path) -> None:
     slots = _slots(opt)
     request = _request(slots, model, empty)
     request["step"] = 0
-    got = dist_checkpointing.load(request, str(directory))
+    check_dcp(directory)  # (only data: checkpoint/no_pickle.py)
+    with one_line_errors(directory):
+        got = dist_checkpointing.load(request, str(directory))
     step = int(got["step"])
     with torch.no_grad():
         for i, slot in enumerate(slots):

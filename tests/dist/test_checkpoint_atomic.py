@@ -9,7 +9,9 @@ runs); a fresh trainer resumes from the directory: before "published" it must co
 names step 2), and steps up to 4 must reproduce the reference's metrics and final weights exactly.
 A newest checkpoint with a truncated shard is skipped with a message naming the file and the run
 falls back to the previous one, re-running to (and replacing) the damaged step; with no complete
-checkpoint left the error names the file. Not covered: a death of one rank alone (the others then
+checkpoint left the error names the file. A newest checkpoint whose `.metadata` pickles a call to os.system
+(checkpoint/no_pickle.py) is refused the same way, naming the file and the call, and the call never runs. Not
+covered: a death of one rank alone (the others then
 block in the next collective until the launcher kills them, which leaves the same files)."""
 
 from __future__ import annotations
@@ -122,6 +124,26 @@ def _worker(rank, world_size, tmpdir):
     again = _trainer(cfg, par, groups, logs2)
     again.resume(root)
     out["replaced"] = dict(step=again.step, logs=logs2)
+    # a crafted newest checkpoint: refused without running what it names, announced, fallen back from
+    import pickle
+
+    class RunsCode:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmpdir}/ran",))
+    dist.barrier()
+    if rank == 0:  # (and its manifest, as whoever crafted it would)
+        import json
+
+        step4 = root / "step_000004"
+        (step4 / ".metadata").write_bytes(pickle.dumps(RunsCode()))
+        manifest = json.loads((step4 / "manifest.json").read_text())
+        manifest["files"][".metadata"] = (step4 / ".metadata").stat().st_size
+        (step4 / "manifest.json").write_text(json.dumps(manifest))
+    dist.barrier()
+    logs3 = []
+    crafted = _trainer(cfg, par, groups, logs3)
+    crafted.resume(root)
+    out["crafted"] = dict(step=crafted.step, logs=logs3, ran=os.path.exists(f"{tmpdir}/ran"))
     # nothing complete left: a clear error naming the file
     only = Path(tmpdir) / "only"
     only.mkdir(exist_ok=True)
@@ -156,4 +178,9 @@ def test_death_at_every_publication_point_then_resume_is_bit_exact(tmp_path):
     assert fb["step"] == 3 and fb["exact"]
     assert any("skipping step_000004" in line and fb["victim"] in line for line in fb["logs"]), fb["logs"]
     assert out["replaced"]["step"] == 4 and not any("skipping" in line for line in out["replaced"]["logs"])
+    cr = out["crafted"]
+    print(f"crafted .metadata: {cr['logs']}")
+    assert cr["step"] == 3 and not cr["ran"], cr
+    assert any("skipping step_000004" in line and "step_000004/.metadata: refusing to read it (it asks for "
+               "posix.system)" in line for line in cr["logs"]), cr["logs"]
     assert out["error"] is not None and "step_000004" in out["error"] and ".distcp" in out["error"], out["error"]

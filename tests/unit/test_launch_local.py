@@ -82,3 +82,27 @@ def test_free_port_in_the_given_range(monkeypatch):
         monkeypatch.setenv("LONGSTRAW_PORTS", bad)
         with pytest.raises(ValueError, match=f"LONGSTRAW_PORTS='{bad}'"):
             free_port()
+
+
+def test_a_reserved_port_is_taken_by_nothing_but_the_store():
+    """launch_local.reserve_port: while the launcher holds the port, another launch's choice (a plain bind)
+    is refused, yet rank 0's store binds it beside the held socket and serves it."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from longstraw_mcore.launch_local import reserve_port
+
+    held = reserve_port()
+    port = held.getsockname()[1]
+    try:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10),
+                               wait_for_workers=False)
+        client.set("k", "v")
+        assert store.get("k") == b"v"
+    finally:
+        held.close()

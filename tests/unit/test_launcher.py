@@ -56,3 +56,66 @@ def test_a_failed_rank_ends_the_others_after_the_grace(tmp_path, capfd):
     _, err = capfd.readouterr()
     assert code == 3 and took < 15, (code, took)
     assert "rank 1 exited with status 3; ranks [0] still run after 1 s: terminating them" in err, err
+
+
+def test_a_rank_aborted_in_native_code_is_named_with_its_stack(tmp_path, capfd):
+    """The guard for an abort inside native code (a gloo thread's std::terminate: SIGABRT): the rank leaves
+    the Python stack of every thread on its stderr (cli.main enables faulthandler; the same call here) and the
+    launcher's one line names the rank and the signal."""
+    code, _ = _run("import faulthandler\nfaulthandler.enable(all_threads=True)\n"
+                   "def deep_in_a_step():\n    os.abort()\n"
+                   "deep_in_a_step() if r == 1 else None", 2, tmp_path)
+    _, err = capfd.readouterr()
+    assert code == 128 + signal.SIGABRT
+    assert "[launch] rank 1 was killed by SIGABRT (status 134: inside native code" in err, err
+    assert "[rank 1] Fatal Python error: Aborted" in err and "in deep_in_a_step" in err, err
+
+
+def test_the_command_line_turns_the_stack_dump_on(monkeypatch, capsys):
+    import faulthandler
+
+    from longstraw_mcore import cli
+
+    calls = []
+    monkeypatch.setattr(faulthandler, "enable", lambda **kw: calls.append(kw))  # (pytest's own stays on)
+    assert cli.main(["check", "--config", "configs/qwen3.6-tiny.yaml"]) == 0
+    assert calls == [{"file": sys.__stderr__, "all_threads": True}] and isinstance(sys.stdout, cli.Console)
+
+
+def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):
+    """A launcher killed outright (SIGKILL: it forwards nothing) leaves no rank running in its own session:
+    each rank asked the kernel for SIGTERM on the launcher's death (launcher.die_with_launcher, which cli.main
+    calls), and ends."""
+    import os
+    import subprocess
+
+    rank = ("from longstraw_mcore.launcher import die_with_launcher\ndie_with_launcher()\n"
+            f"open('{tmp_path}/rank' + os.environ['RANK'], 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
+    launcher = ("import sys\nfrom longstraw_mcore.launcher import Ranks\n"
+                f"sys.exit(Ranks([sys.executable, '-c', {RANK + rank!r}], 2, 1, 0, '127.0.0.1', 1, None).wait(30))")
+    p = subprocess.Popen([sys.executable, "-c", launcher], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"rank{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.1)
+        time.sleep(0.2)
+        pids = [int((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+        p.kill()
+        p.wait()
+        deadline = time.monotonic() + 20
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [pid for pid in pids if _running(pid)]
+            time.sleep(0.1)
+        assert not alive, f"ranks {alive} outlived their launcher"
+    finally:
+        p.kill()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
