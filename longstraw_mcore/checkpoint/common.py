@@ -12,6 +12,7 @@ from typing import get_args
 from longstraw_mcore.config.model_base import DType
 
 DTYPE_NAMES = get_args(DType)
+CONFIG_FILE = "longstraw_model.json"  # (marks a longstraw Megatron checkpoint's step directory)
 """The dtypes a checkpoint may be stored in (config.json's `dtype` / `torch_dtype`)."""
 
 

@@ -22,11 +22,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from longstraw_mcore.checkpoint.full_state import expected_keys
-from longstraw_mcore.checkpoint.common import CheckpointError
+from longstraw_mcore.checkpoint.common import CONFIG_FILE, CheckpointError
 from longstraw_mcore.checkpoint.no_pickle import check_dcp, one_line_errors
 from longstraw_mcore.config import ModelConfig, model_config_from_dict
 
-CONFIG_FILE = "longstraw_model.json"
 FORMAT = "longstraw-mcore/1"
 
 

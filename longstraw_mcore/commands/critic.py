@@ -19,10 +19,11 @@ FROM_POLICY = "policy"
 
 
 def megatron_dir(path: str) -> bool:
-    """A longstraw Megatron checkpoint (a step directory, e.g. a PPO run's --save DIR/critic/step_N)."""
+    """A longstraw Megatron checkpoint (a step directory, e.g. a PPO run's --save DIR/critic/step_N). Imports
+    nothing of Megatron's: it is asked while the input is checked."""
     from pathlib import Path
 
-    from longstraw_mcore.checkpoint.dist_ckpt import CONFIG_FILE
+    from longstraw_mcore.checkpoint.common import CONFIG_FILE
 
     return (Path(path) / CONFIG_FILE).is_file()
 

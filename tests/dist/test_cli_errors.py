@@ -1,24 +1,21 @@
 """Bad run-level input is refused before any work: exit status 2, one line on stderr naming the value
-(no traceback), nothing written, Megatron never imported. Each case is a real `python -m
-longstraw_mcore` process (one rank). Also: `--resume` with nothing left to do exits 0 and says so."""
+(no traceback), nothing written, Megatron never imported. Also: `--resume` with nothing left to do exits 0
+and says so, and `longstraw check` answers for a layout. Every case runs through the CLI's `main()` in one
+fresh interpreter (tests/cli_in_process.py: the exit status, what reached file descriptors 1 and 2, and whether
+the case imported Megatron, per case), not a process each: the checks are the same, the interpreter and
+torch's import are paid once instead of 43 times."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 TINY = "configs/qwen3.6-tiny.yaml"
-
-
-def _run(*args, timeout=120):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "longstraw_mcore", *args], cwd=ROOT, env=env, timeout=timeout,
-                          capture_output=True, text=True)
 
 
 def _rollouts(path, groups):
@@ -175,36 +172,50 @@ def _cases(tmp):
     ]
 
 
-def test_each_bad_input_exits_2_with_one_line(tmp_path):
-    from concurrent.futures import ThreadPoolExecutor
+CHECKS = [("8 ranks at tp=4", ["parallel.tp=4"], 8, True), ("6 ranks at tp=4", ["parallel.tp=4"], 6, False)]
 
-    cases = _cases(tmp_path)
-    with ThreadPoolExecutor(max_workers=2) as pool:  # independent processes, two cores
-        runs = list(pool.map(lambda c: _run(*c[1]), cases))
-    for (name, args, needle), r in zip(cases, runs):
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode == 2, (name, r.returncode, r.stderr[-2000:])
-        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (name, r.stderr)
-        assert "Traceback" not in r.stderr and r.stdout == "", (name, r.stdout)
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case of this file through `main()` in one interpreter: (tmp dir, bad cases, their results,
+    the resume case's result, the check cases' results)."""
+    from cli_in_process import run_cases
+
+    tmp = tmp_path_factory.mktemp("cli")
+    cases = _cases(tmp)
+    done = tmp / "done"
+    (done / "step_000004").mkdir(parents=True)
+    (done / "step_000004" / "manifest.json").write_text(json.dumps({"files": {}}))
+    resume = ["train", "--config", TINY, "--rollouts", _rollouts(tmp / "ok2.jsonl", [G2]), "--save", str(done),
+              "--resume", "--steps", "4"]
+    checks = [["check", "--config", "configs/qwen3.6-27b.yaml", "--world-size", str(w), *o] for _, o, w, _ in CHECKS]
+    res = run_cases([c[1] for c in cases] + [resume] + checks)
+    return tmp, cases, res[:len(cases)], res[len(cases)], res[len(cases) + 1:]
+
+
+def test_each_bad_input_exits_2_with_one_line(runs):
+    tmp_path, cases, results = runs[:3]
+    for (name, args, needle), r in zip(cases, results):
+        lines = r["stderr"].strip().splitlines()
+        assert r["code"] == 2, (name, r["code"], r["stderr"][-2000:])
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (name, r["stderr"])
+        assert "Traceback" not in r["stderr"] and r["stdout"] == "", (name, r["stdout"])
+        assert not r["imported_megatron"], f"{name}: Megatron was imported before the input was refused"
     assert not (tmp_path / "out_fp16").exists() and not (tmp_path / "out_fp8").exists()
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000004"]
 
 
-def test_resume_with_nothing_left_to_do_exits_0(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    (ckpt / "step_000004").mkdir(parents=True)
-    (ckpt / "step_000004" / "manifest.json").write_text(json.dumps({"files": {}}))
-    ok = _rollouts(tmp_path / "ok.jsonl", [G2])
-    r = _run("train", "--config", TINY, "--rollouts", ok, "--save", str(ckpt), "--resume", "--steps", "4")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "complete checkpoint at step 4 >= --steps 4: nothing to do" in r.stdout
+def test_resume_with_nothing_left_to_do_exits_0(runs):
+    r = runs[3]
+    assert r["code"] == 0, r["stderr"][-2000:]
+    assert "complete checkpoint at step 4 >= --steps 4: nothing to do" in r["stdout"]
 
 
-@pytest.mark.parametrize("world,overrides,ok", [(8, ["parallel.tp=4"], True), (6, ["parallel.tp=4"], False)])
-def test_check_command(world, overrides, ok):
-    r = _run("check", "--config", "configs/qwen3.6-27b.yaml", "--world-size", str(world), *overrides)
+@pytest.mark.parametrize("i", range(len(CHECKS)), ids=[c[0] for c in CHECKS])
+def test_check_command(runs, i):
+    r, ok = runs[4][i], CHECKS[i][3]
     if ok:
-        assert r.returncode == 0 and "[check] ok: `longstraw train`" in r.stdout and "dp=2 on 8 ranks" in r.stdout, \
-            r.stderr
+        assert r["code"] == 0 and "[check] ok: `longstraw train`" in r["stdout"] and "dp=2 on 8 ranks" in r["stdout"], \
+            r["stderr"]
     else:
-        assert r.returncode == 2 and "world size 6 is not divisible by tp*pp*cp = 4*1*1 = 4" in r.stderr
+        assert r["code"] == 2 and "world size 6 is not divisible by tp*pp*cp = 4*1*1 = 4" in r["stderr"]
