@@ -18,7 +18,7 @@ import json
 
 import pytest
 
-from launch import longstraw
+from launch import longstraw_forked as longstraw  # noqa: E402 (ranks forked preloaded: the CLI's main())
 
 LAYOUTS = {"one rank": (1, []), "tp=2": (2, ["parallel.tp=2"]), "cp=2": (2, ["parallel.cp=2"])}
 SAMPLED_ONLY = {"pp=2 x vpp=2": (2, ["parallel.pp=2", "parallel.vpp=2"])}

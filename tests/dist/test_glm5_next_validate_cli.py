@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 
-from launch import ROOT, longstraw
+from launch import ROOT, longstraw_forked as longstraw  # (ranks forked preloaded: the CLI's main())
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 

@@ -22,7 +22,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from launch import longstraw  # noqa: E402
+from launch import longstraw_forked as longstraw  # noqa: E402 (ranks forked preloaded: the CLI's main())
 
 EXPERTS = "decoder.layers.3.mlp.experts.experts"
 VOLATILE = {"seconds", "peak_bytes"}

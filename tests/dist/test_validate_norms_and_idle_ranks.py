@@ -21,7 +21,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from launch import ROOT, longstraw
+from launch import ROOT, longstraw_forked as longstraw  # noqa: E402 (ranks forked preloaded: the CLI's main())
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
