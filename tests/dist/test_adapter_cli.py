@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from launch import longstraw
+from launch import longstraw_forked as longstraw  # noqa: E402 (ranks forked preloaded: the CLI's main())
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))

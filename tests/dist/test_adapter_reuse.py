@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from launch import longstraw
+from launch import longstraw_forked as longstraw  # noqa: E402 (ranks forked preloaded: the CLI's main())
 
 ARGS = ["--config", "configs/demo-key-recall.yaml", "--online", "adapter.rank=4", "adapter.alpha=16",
         "adapter.prompt=frozen", "replay.reuse_steps=3", "replay.mode=detached", "train.groups_per_step=2",

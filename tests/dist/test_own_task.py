@@ -20,7 +20,7 @@ import os
 
 import pytest
 
-from launch import ROOT, longstraw
+from launch import ROOT, longstraw_forked as longstraw  # noqa: E402 (ranks forked preloaded: the CLI's main())
 
 SMALL = ["train.groups_per_step=2", "rollout.group_size=8", "task.min_len=24", "task.max_len=40",
          "task.start_len=[24,28]", "task.hold_steps=1", "task.ramp_steps=2", "task.eval_prompts=4",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from launch import longstraw
+from launch import longstraw_forked as longstraw  # noqa: E402 (ranks forked preloaded: the CLI's main())
 
 KEYS = ("loss", "value_loss", "grad_norm", "critic_grad_norm", "reward_mean", "clip_frac", "value_clip_frac")
 
