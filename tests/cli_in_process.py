@@ -37,6 +37,23 @@ def run_cases(argvs: list[list[str]], timeout: float = 600, env: dict | None = N
         return json.loads(out.read_text())
 
 
+def exit_status(argv: list[str]) -> int:
+    """`cli.main(argv)`'s exit status as a process running it would end with: its return value, a SystemExit's
+    code (argparse's 2), or 1 with the traceback on stderr for any other exception."""
+    import traceback
+
+    from longstraw_mcore import cli
+
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - as an uncaught exception ends a process
+        traceback.print_exc()
+        code = 1
+    return int(code or 0)
+
+
 def _capture(fn) -> tuple[int, str, str]:
     """Run fn() with fds 1 and 2 sent to temporary files; its exit status and what reached each."""
     files = [tempfile.TemporaryFile(mode="w+b") for _ in range(2)]
@@ -46,10 +63,7 @@ def _capture(fn) -> tuple[int, str, str]:
     os.dup2(files[0].fileno(), 1)
     os.dup2(files[1].fileno(), 2)
     try:
-        try:
-            code = fn()
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        code = fn()
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
@@ -62,16 +76,14 @@ def _capture(fn) -> tuple[int, str, str]:
         f.seek(0)
         texts.append(f.read().decode(errors="replace"))
         f.close()
-    return int(code or 0), texts[0], texts[1]
+    return code, texts[0], texts[1]
 
 
 def _main(spec: str, out: str) -> int:
-    from longstraw_mcore import cli
-
     results = []
     for argv in json.loads(Path(spec).read_text()):
         before = any(m == "megatron" or m.startswith("megatron.") for m in sys.modules)
-        code, so, se = _capture(lambda: cli.main(argv))
+        code, so, se = _capture(lambda: exit_status(argv))
         after = any(m == "megatron" or m.startswith("megatron.") for m in sys.modules)
         results.append({"code": code, "stdout": so, "stderr": se, "imported_megatron": after and not before})
         Path(out).write_text(json.dumps(results))

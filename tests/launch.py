@@ -32,26 +32,19 @@ def longstraw(n: int, *args: str, timeout: float = 900, env: dict | None = None)
 
 def _cli_rank(rank: int, world: int, argv: list[str], folder: str, env: dict) -> int:
     """One rank of `longstraw_forked`: fds 1 and 2 to files, then the CLI's main(); its exit status."""
-    import traceback
-
     os.chdir(ROOT)
     os.environ.update(env)
     for fd, name in ((1, "out"), (2, "err")):
         f = os.open(os.path.join(folder, f"{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
         os.close(f)
-    from longstraw_mcore import cli
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from cli_in_process import exit_status
 
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # noqa: BLE001 - as an uncaught exception ends a process: the traceback, status 1
-        traceback.print_exc()
-        code = 1
+    code = exit_status(argv)
     sys.stdout.flush()
     sys.stderr.flush()
-    return int(code or 0)
+    return code
 
 
 def longstraw_forked(n: int, *args: str, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
